@@ -1,0 +1,3 @@
+from .cli import convert_main
+
+convert_main()

@@ -1,0 +1,170 @@
+"""An HF safetensors checkpoint, opened by its headers only.
+
+Every shard header is parsed and checked against the index and the file size before
+any tensor byte is read; afterwards tensors are read by byte range (pread), never
+memory-mapped, so the resident set does not grow with what has been read.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import CheckpointError
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+MAX_HEADER = 512 << 20   # the real index-sized headers are a few MB; this rejects garbage lengths
+
+DTYPE_SIZE = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "U8": 1, "I8": 1, "I32": 4, "I64": 8,
+              "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1, "U16": 2, "I16": 2, "U32": 4}
+NUMPY_DTYPE = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32, "U8": np.uint8,
+               "I8": np.int8, "I32": np.int32, "I64": np.int64, "F64": np.float64}
+
+
+@dataclass(frozen=True)
+class SourceTensor:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    path: Path
+    offset: int       # absolute byte offset in the shard
+    nbytes: int
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.dtype} {list(self.shape)} in {self.path.name})"
+
+
+def read_shard_header(path: Path) -> dict[str, SourceTensor]:
+    """Parse and bounds-check one safetensors header."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{path}: corrupt safetensors header (file too short)")
+            (n,) = struct.unpack("<Q", head)
+            if n > min(MAX_HEADER, size - 8):
+                raise CheckpointError(f"{path}: corrupt safetensors header (length {n} > file)")
+            raw = f.read(n)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: shard not found") from None
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: corrupt safetensors header ({e.__class__.__name__})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header (not an object)")
+    base = 8 + n
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        out[name] = _source_tensor(path, name, info, base, size)
+    return out
+
+
+def _source_tensor(path: Path, name: str, info, base: int, size: int) -> SourceTensor:
+    try:
+        dtype, shape, (begin, end) = info["dtype"], tuple(int(x) for x in info["shape"]), info["data_offsets"]
+    except (KeyError, TypeError, ValueError):
+        raise CheckpointError(f"{path}: corrupt safetensors header entry for tensor {name}") from None
+    if dtype not in DTYPE_SIZE:
+        raise CheckpointError(f"{path}: tensor {name} has unknown dtype {dtype}")
+    nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPE_SIZE[dtype]
+    if end - begin != nbytes or begin < 0:
+        raise CheckpointError(f"{path}: tensor {name} spans {end - begin} bytes but "
+                              f"{dtype}{list(shape)} needs {nbytes}")
+    if base + end > size:
+        raise CheckpointError(f"{path}: truncated shard: tensor {name} ends at byte {base + end}, "
+                              f"file has {size}")
+    return SourceTensor(name, dtype, shape, path, base + begin, nbytes)
+
+
+class Checkpoint:
+    """config.json, the index and every shard header, validated against each other."""
+
+    def __init__(self, hf_dir: Path):
+        self.dir = Path(hf_dir)
+        if not self.dir.is_dir():
+            raise CheckpointError(f"{self.dir}: not a directory")
+        self.weight_map = self._read_index()
+        self.tensors: dict[str, SourceTensor] = {}
+        self._read_shards()
+
+    def _read_index(self) -> dict[str, str]:
+        index = self.dir / INDEX_NAME
+        if not index.exists():
+            if (self.dir / SINGLE_NAME).exists():
+                return {n: SINGLE_NAME for n in read_shard_header(self.dir / SINGLE_NAME)}
+            raise CheckpointError(f"{index}: not found (and no {SINGLE_NAME})")
+        try:
+            wm = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{index}: not a valid index ({e.__class__.__name__})") from None
+        if not isinstance(wm, dict) or not wm:
+            raise CheckpointError(f"{index}: empty weight_map")
+        return wm
+
+    def _read_shards(self) -> None:
+        shards = sorted(set(self.weight_map.values()))
+        for shard in shards:
+            path = self.dir / shard
+            if not path.exists():
+                raise CheckpointError(f"{path}: missing shard (named in {INDEX_NAME})")
+            found = read_shard_header(path)
+            for name, t in found.items():
+                listed = self.weight_map.get(name)
+                if listed != shard:
+                    where = f"indexed in {listed}" if listed else f"not in {INDEX_NAME}"
+                    raise CheckpointError(f"{path}: tensor {name} is in this shard but {where}")
+            self.tensors.update(found)
+        for name, shard in self.weight_map.items():
+            if name not in self.tensors:
+                raise CheckpointError(f"{self.dir / shard}: tensor {name} is in {INDEX_NAME} "
+                                      f"but not in its shard")
+
+    @property
+    def shard_paths(self) -> list[Path]:
+        return [self.dir / s for s in sorted(set(self.weight_map.values()))]
+
+    # --- reading tensor bytes ---
+
+    def read_raw(self, t: SourceTensor, offset: int = 0, length: int | None = None) -> bytes:
+        length = t.nbytes - offset if length is None else length
+        with open(t.path, "rb", buffering=0) as f:
+            data = os.pread(f.fileno(), length, t.offset + offset)
+        if len(data) != length:
+            raise CheckpointError(f"{t.path}: truncated shard: tensor {t.name} cut short")
+        return data
+
+    def read(self, t: SourceTensor) -> np.ndarray:
+        """The tensor in its stored dtype (BF16 as uint16 bit patterns)."""
+        return np.frombuffer(self.read_raw(t), dtype=NUMPY_DTYPE[t.dtype]).reshape(t.shape)
+
+    def read_f32(self, t: SourceTensor) -> np.ndarray:
+        return to_f32(self.read(t), t.dtype)
+
+
+def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def f32_to_bf16(x: np.ndarray) -> np.ndarray:
+    """Round to nearest even, as torch and ggml do; NaN stays NaN."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = np.isnan(x)
+    if nan.any():
+        rounded[nan] = ((bits[nan] >> 16) | 0x40).astype(np.uint16)
+    return rounded
+
+
+def to_f32(values: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "BF16":
+        return bf16_to_f32(values)
+    return values.astype(np.float32)

@@ -1,0 +1,279 @@
+"""The one GGUF streaming layer, shared by the converter, the quantizer and the readers.
+
+Writing: metadata and tensor infos go through gguf's own GGUFWriter (so the header,
+KV encoding and split naming are llama.cpp's); tensor data is then streamed chunk by
+chunk, so no tensor (a 4.9 GB stacked expert tensor, say) is ever held whole. Files
+are written into a hidden temporary folder beside the output and renamed into place
+only when every byte is down: an error leaves nothing behind.
+
+Reading: `open_gguf` memory-maps a file or every part of a split file.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Union
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGMLQuantizationType as QT
+from gguf.quants import dequantize
+
+from .errors import CheckpointError, OutputError
+
+COPY_CHUNK = 64 << 20
+
+
+def tensor_nbytes(qtype: QT, shape: tuple[int, ...]) -> int:
+    """Bytes of a tensor of numpy-order `shape` stored as `qtype`."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    if shape[-1] % block:
+        raise ValueError(f"row length {shape[-1]} is not a multiple of the {qtype.name} block ({block})")
+    return int(np.prod(shape[:-1], dtype=np.int64)) * (shape[-1] // block) * size
+
+
+@dataclass(frozen=True)
+class FileRange:
+    """Bytes to copy verbatim from a source file (kernel-side where possible)."""
+    path: Path
+    offset: int
+    length: int
+
+
+Chunk = Union[bytes, bytearray, memoryview, np.ndarray, FileRange]
+
+
+@dataclass
+class OutTensor:
+    name: str
+    qtype: QT
+    shape: tuple[int, ...]            # numpy order: the reverse of ggml's ne
+    chunks: Callable[[], Iterable[Chunk]]
+
+    @property
+    def nbytes(self) -> int:
+        return tensor_nbytes(self.qtype, self.shape)
+
+
+def split_paths(out: Path, n_files: int) -> list[Path]:
+    """llama.cpp's split naming: OUT-00001-of-00003.gguf."""
+    if n_files == 1:
+        return [out]
+    return [out.with_name(f"{out.stem}-{i + 1:05d}-of-{n_files:05d}.gguf") for i in range(n_files)]
+
+
+class GGUFStreamWriter:
+    """Collects metadata, then writes a (possibly split) GGUF from streamed tensors."""
+
+    def __init__(self, out: Path, arch: str, *, split_max_tensors: int = 0,
+                 split_max_size: int = 0, force: bool = False):
+        self.out = Path(out)
+        self.force = force
+        self.tmp_dir = self.out.parent / f".{self.out.name}.partial-{os.getpid()}"
+        self.meta = GGUFWriter(self.tmp_dir / self.out.name, arch,
+                               split_max_tensors=split_max_tensors, split_max_size=split_max_size)
+
+    def add_kv(self, key: str, value: Any, vtype: GGUFValueType, sub_type: GGUFValueType | None = None):
+        self.meta.add_key_value(key, value, vtype, sub_type)
+
+    def plan_files(self, tensors: list[OutTensor]) -> list[list[OutTensor]]:
+        """Assign tensors to split files exactly as GGUFWriter will (it decides)."""
+        for t in tensors:
+            self.meta.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=t.qtype)
+        by_name = {t.name: t for t in tensors}
+        return [[by_name[n] for n in part] for part in self.meta.tensors]
+
+    def write(self, tensors: list[OutTensor], on_bytes: Callable[[int], None] = lambda n: None) -> list[Path]:
+        files = self.plan_files(tensors)
+        finals = split_paths(self.out, len(files))
+        clash = [p for p in finals if p.exists()]
+        if clash and not self.force:
+            raise OutputError(f"{clash[0]}: already exists (use --force to overwrite)")
+        if self.tmp_dir.exists():
+            shutil.rmtree(self.tmp_dir)
+        self.tmp_dir.mkdir(parents=True)
+        try:
+            temps = self._write_all(files, on_bytes)
+            for tmp, final in zip(temps, finals):
+                os.replace(tmp, final)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+                raise OutputError(f"{self.out}: disk full while writing ({os.strerror(e.errno)}); "
+                                  f"nothing was written") from None
+            raise
+        finally:
+            self.meta.close()
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
+        return finals
+
+    def _write_all(self, files: list[list[OutTensor]], on_bytes) -> list[Path]:
+        m = self.meta
+        m.write_header_to_file()
+        m.write_kv_data_to_file()
+        m.write_ti_data_to_file()
+        temps = [Path(f.name) for f in m.fout]
+        with _SourceFiles() as sources:
+            for fout, part in zip(m.fout, files):
+                _pad(fout, m.data_alignment)
+                for t in part:
+                    written = 0
+                    for chunk in t.chunks():
+                        n = _write_chunk(fout, chunk, sources)
+                        written += n
+                        on_bytes(n)
+                    if written != t.nbytes:
+                        raise CheckpointError(f"{t.name}: produced {written} bytes, expected {t.nbytes}")
+                    _pad(fout, m.data_alignment)
+                fout.flush()
+                os.fsync(fout.fileno())
+        return temps
+
+
+def _pad(fout, align: int) -> None:
+    pos = fout.tell()
+    if pos % align:
+        fout.write(b"\0" * (align - pos % align))
+
+
+class _SourceFiles:
+    """Open source files once each, for FileRange copies."""
+
+    def __init__(self):
+        self.fds: dict[Path, int] = {}
+
+    def fd(self, path: Path) -> int:
+        if path not in self.fds:
+            self.fds[path] = os.open(path, os.O_RDONLY)
+        return self.fds[path]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for fd in self.fds.values():
+            os.close(fd)
+
+
+def _write_chunk(fout, chunk: Chunk, sources: _SourceFiles) -> int:
+    if isinstance(chunk, FileRange):
+        return _copy_range(fout, chunk, sources.fd(chunk.path))
+    if isinstance(chunk, np.ndarray):
+        chunk = memoryview(np.ascontiguousarray(chunk)).cast("B")
+    fout.write(chunk)
+    return len(chunk)
+
+
+def _copy_range(fout, r: FileRange, src: int) -> int:
+    """Copy r.length bytes at r.offset into fout's current position."""
+    fout.flush()
+    dst = fout.fileno()
+    offset, left = r.offset, r.length
+    try:
+        while left:
+            n = os.copy_file_range(src, dst, min(left, 1 << 30), offset)
+            if n == 0:
+                raise CheckpointError(f"{r.path}: ends before byte {offset + left} (truncated shard?)")
+            offset, left = offset + n, left - n
+    except OSError as e:
+        if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+            raise
+        while left:  # the kernel cannot copy between these files: plain reads
+            data = os.pread(src, min(left, COPY_CHUNK), offset)
+            if not data:
+                raise CheckpointError(f"{r.path}: ends before byte {offset + left} (truncated shard?)")
+            os.write(dst, data)
+            offset, left = offset + len(data), left - len(data)
+    fout.seek(0, os.SEEK_END)
+    return r.length
+
+
+# ----------------------------------------------------------------------------------
+# reading
+
+_SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+@dataclass
+class GGUFTensor:
+    name: str
+    qtype: QT
+    shape: tuple[int, ...]      # numpy order
+    raw: np.ndarray             # the stored bytes/values, memory-mapped
+    path: Path
+    offset: int                 # absolute byte offset in `path`
+
+    @property
+    def nbytes(self) -> int:
+        return tensor_nbytes(self.qtype, self.shape)
+
+    def raw_bytes(self) -> np.ndarray:
+        return self.raw.reshape(-1).view(np.uint8)
+
+    def to_float32(self) -> np.ndarray:
+        """Dequantised values in numpy shape (gguf.quants does every type we write)."""
+        return np.asarray(dequantize(self.raw, self.qtype), dtype=np.float32).reshape(self.shape)
+
+
+@dataclass
+class GGUFFile:
+    paths: list[Path]
+    fields: dict[str, Any]
+    tensors: dict[str, GGUFTensor]
+
+    @property
+    def arch(self) -> str:
+        return self.fields.get("general.architecture", "")
+
+
+def gguf_parts(path: Path) -> list[Path]:
+    """All files of a split GGUF given any one of them (or the single file)."""
+    path = Path(path)
+    m = _SPLIT_RE.match(path.name)
+    if not m:
+        return [path]
+    count = int(m["count"])
+    parts = [path.with_name(f"{m['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    missing = [p for p in parts if not p.exists()]
+    if missing:
+        raise CheckpointError(f"{missing[0]}: split part missing")
+    return parts
+
+
+def read_fields(reader: GGUFReader) -> dict[str, Any]:
+    out = {}
+    for name, f in reader.fields.items():
+        if name.startswith("GGUF."):
+            continue
+        out[name] = f.contents()
+    return out
+
+
+def open_gguf(path: Path) -> GGUFFile:
+    """Memory-map a GGUF (all parts of a split one): metadata and tensors by name."""
+    parts = gguf_parts(Path(path))
+    fields: dict[str, Any] = {}
+    tensors: dict[str, GGUFTensor] = {}
+    for p in parts:
+        try:
+            reader = GGUFReader(p, "r")
+        except (ValueError, OSError) as e:
+            raise CheckpointError(f"{p}: not a readable GGUF file ({e})") from None
+        for k, v in read_fields(reader).items():
+            fields.setdefault(k, v)
+        for t in reader.tensors:
+            shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+            tensors[t.name] = GGUFTensor(t.name, QT(t.tensor_type), shape, t.data, p, int(t.data_offset))
+    expected = fields.get("split.tensors.count")
+    if expected is not None and expected != len(tensors):
+        raise CheckpointError(f"{parts[0]}: split.tensors.count is {expected} but the parts hold {len(tensors)}")
+    return GGUFFile(parts, fields, tensors)
+
+
+def iter_chunks_of(t: GGUFTensor, chunk: int = COPY_CHUNK) -> Iterator[FileRange]:
+    """A stored tensor as FileRanges (for verbatim copies between GGUF files)."""
+    for off in range(0, t.nbytes, chunk):
+        yield FileRange(t.path, t.offset + off, min(chunk, t.nbytes - off))

@@ -1,0 +1,212 @@
+"""Logits from native llama.cpp through llama-cpp-python 0.3.36 (the Oct-2026 llama.cpp: knows ``kimi-k3``, not
+``kimi-k31``). Installed (compiled, ~3.5 min on 2 cores) by ``.ci/install-interop.sh``.
+
+Settings for tight comparisons: F32 KV cache (``type_k=type_v=0``), flash attention off, an output row for every
+position (``logits_all=True``), 2 threads (results are bit-identical for 1 or 2 threads and from run to run).
+
+By default the model runs in this process. A malformed file can make llama.cpp abort (GGML_ASSERT) instead of
+failing cleanly, which would kill the caller: pass ``isolated=True`` to run in a child Python process instead
+(``llama_cpp_load_error`` does so by default).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from ._common import INSTALL_HINT, REPO_ROOT, InteropError, InteropUnavailable, LlamaLoadError
+
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+GGML_TYPE_F32 = 0
+
+_log_lock = threading.Lock()
+
+
+def _import_llama_cpp():
+    try:
+        import llama_cpp  # noqa: PLC0415
+    except ImportError as e:
+        raise InteropUnavailable(f"llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} is not installed ({e}): {INSTALL_HINT}") from e
+    version = getattr(llama_cpp, "__version__", None)
+    if version != LLAMA_CPP_PYTHON_VERSION:
+        raise InteropUnavailable(f"llama-cpp-python is {version}, need {LLAMA_CPP_PYTHON_VERSION}: {INSTALL_HINT}")
+    return llama_cpp
+
+
+@contextlib.contextmanager
+def _captured_llama_log():
+    """Route llama.cpp's (and ggml's) log into a list for the duration; restores llama-cpp-python's callback."""
+    llama_cpp = _import_llama_cpp()
+    from llama_cpp import _logger  # noqa: PLC0415
+
+    lines: list[tuple[int, str]] = []
+
+    @llama_cpp.llama_log_callback
+    def _cb(level, text, user_data):  # noqa: ARG001
+        try:
+            lines.append((int(level), text.decode("utf-8", "replace")))
+        except Exception:  # noqa: BLE001 - never raise into C
+            pass
+
+    with _log_lock:
+        llama_cpp.llama_log_set(_cb, ctypes.c_void_p(0))
+        try:
+            yield lines
+        finally:
+            llama_cpp.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
+
+
+def _error_text(lines: list[tuple[int, str]]) -> str:
+    """The error/warning lines of a captured log.
+
+    Levels are ggml.h's of this build: 1 DEBUG, 2 INFO, 3 WARN, 4 ERROR, 5 continuation of the previous line.
+    (llama-cpp-python 0.3.36's own _logger still uses the older numbering, so with verbose=False it hides ERRORs.)"""
+    out, keep = [], False
+    for level, text in lines:
+        if level in (3, 4):
+            keep = True
+        elif level != 5:
+            keep = False
+        if keep:
+            out.append(text)
+    text = "".join(out).strip()
+    return text or "".join(t for _, t in lines[-30:]).strip() or "(llama.cpp logged no reason)"
+
+
+def _open(gguf_path, n_ctx: int, kv_overrides: Mapping[str, object] | None, lines):
+    llama_cpp = _import_llama_cpp()
+    path = str(Path(gguf_path))
+    if not Path(path).is_file():
+        raise FileNotFoundError(path)
+    try:
+        return llama_cpp.Llama(
+            model_path=path,
+            n_ctx=n_ctx,
+            n_batch=n_ctx,
+            n_ubatch=min(n_ctx, 512),
+            logits_all=True,
+            type_k=GGML_TYPE_F32,
+            type_v=GGML_TYPE_F32,
+            flash_attn=False,
+            n_threads=2,
+            n_threads_batch=2,
+            n_gpu_layers=0,
+            kv_overrides=dict(kv_overrides) if kv_overrides else None,
+            verbose=False,
+        )
+    except ValueError as e:  # "Failed to load model from file" / "Failed to create llama_context"
+        raise LlamaLoadError(path, f"{e}\n{_error_text(lines)}") from None
+
+
+def llama_cpp_logits(
+    gguf_path,
+    token_ids: Sequence[int],
+    n_ctx: int = 256,
+    *,
+    kv_overrides: Mapping[str, object] | None = None,
+    isolated: bool = False,
+) -> np.ndarray:
+    """Logits for every position of ``token_ids`` (one forward pass): float32 array [n_tokens, n_vocab].
+
+    Row i is llama.cpp's output after seeing ``token_ids[:i+1]``. ``kv_overrides`` are llama.cpp KV overrides
+    (python bool/int/float/str values), e.g. ``{"kimi-k3.expert_used_count": 2}``. Raises LlamaLoadError (with
+    llama.cpp's log reason) if the file does not load, InteropUnavailable if llama-cpp-python is missing."""
+    ids = [int(t) for t in token_ids]
+    if not ids:
+        raise ValueError("token_ids is empty")
+    if len(ids) > n_ctx:
+        raise ValueError(f"{len(ids)} tokens do not fit n_ctx={n_ctx}")
+    if isolated:
+        return _run_isolated({"op": "logits", "model": str(gguf_path), "ids": ids, "n_ctx": n_ctx,
+                              "kv_overrides": dict(kv_overrides or {})})
+    with _captured_llama_log() as lines:
+        llm = _open(gguf_path, n_ctx, kv_overrides, lines)
+        try:
+            n_vocab = llm.n_vocab()
+            if max(ids) >= n_vocab:
+                raise ValueError(f"token id {max(ids)} >= n_vocab {n_vocab}")
+            try:
+                llm.eval(ids)
+            except Exception as e:  # decode failure
+                raise InteropError(f"llama.cpp eval failed on {gguf_path}: {e}\n{_error_text(lines)}") from e
+            return np.array(llm.scores[: len(ids)], dtype=np.float32, copy=True)
+        finally:
+            llm.close()
+
+
+def llama_cpp_load_error(gguf_path, n_ctx: int = 256, *, kv_overrides=None, isolated: bool = True) -> str | None:
+    """None if llama-cpp-python's llama.cpp loads the file (model and context), else the reason from its log.
+
+    Runs in a child process by default, so that a llama.cpp abort on a malformed file is reported, not fatal."""
+    if isolated:
+        out = _run_isolated({"op": "load_error", "model": str(gguf_path), "n_ctx": n_ctx,
+                             "kv_overrides": dict(kv_overrides or {})})
+        return out
+    with _captured_llama_log() as lines:
+        try:
+            llm = _open(gguf_path, n_ctx, kv_overrides, lines)
+        except LlamaLoadError as e:
+            return e.reason
+        llm.close()
+    return None
+
+
+# --- child-process mode ------------------------------------------------------------------------------------------
+
+def _run_isolated(req: dict):
+    _import_llama_cpp()  # fail fast with InteropUnavailable in the parent
+    if not Path(req["model"]).is_file():
+        raise FileNotFoundError(req["model"])
+    with tempfile.TemporaryDirectory(prefix="kimi-llcpp-") as tmp:
+        req_path = Path(tmp) / "req.json"
+        out_path = Path(tmp) / "out.npy"
+        req["out"] = str(out_path)
+        req_path.write_text(json.dumps(req))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+        proc = subprocess.run([sys.executable, "-m", "kimi_convert.interop.llama_cpp", str(req_path)],
+                              capture_output=True, text=True, env=env, timeout=3600)
+        if proc.returncode == 0:
+            if req["op"] == "logits":
+                return np.load(out_path)
+            return json.loads(Path(tmp, "result.json").read_text())["error"]
+        if proc.returncode == 3:  # clean load failure reported by the child
+            reason = json.loads(Path(tmp, "result.json").read_text())["error"]
+            if req["op"] == "load_error":
+                return reason
+            raise LlamaLoadError(req["model"], reason)
+        # the child died (llama.cpp abort / segfault): its stderr holds the assert message
+        msg = f"llama.cpp crashed (exit {proc.returncode}) on {req['model']}:\n{proc.stderr[-6000:]}"
+        if req["op"] == "load_error":
+            return msg
+        raise InteropError(msg)
+
+
+def _child_main(req_path: str) -> int:
+    req = json.loads(Path(req_path).read_text())
+    result_path = Path(req["out"]).with_name("result.json")
+    try:
+        if req["op"] == "logits":
+            logits = llama_cpp_logits(req["model"], req["ids"], req["n_ctx"], kv_overrides=req["kv_overrides"])
+            np.save(req["out"], logits)
+        else:
+            err = llama_cpp_load_error(req["model"], req["n_ctx"], kv_overrides=req["kv_overrides"], isolated=False)
+            result_path.write_text(json.dumps({"error": err}))
+    except LlamaLoadError as e:
+        result_path.write_text(json.dumps({"error": e.reason}))
+        return 3
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_child_main(sys.argv[1]))

@@ -1,0 +1,175 @@
+"""The one table of Kimi-K3 / K3.1 tensors: HF name -> GGUF name, transform, shape.
+
+Read it like llama.cpp's tensor_mapping.py, but for one model family: each Rule says
+which HF tensor(s) make which GGUF tensor, on which layers, by which transform, and
+what shape the HF side must have given the config. `sanitize` is the name clean-up
+step (prefix, vision drop) done before anything is looked up.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from .constants import HF_DROPPED_PREFIXES, HF_TEXT_PREFIX, T
+from .model import KimiConfig
+
+Shape = tuple[int, ...]
+
+# transforms (what convert.py does to the source bytes)
+COPY = "copy"              # bytes unchanged (or a dtype cast)
+RES_SCORE = "res_score"    # norm.weight * proj.weight, flattened, F32
+CONV1D = "conv1d"          # [Di,1,K] -> numpy (1,Di,1,K): a pure reshape
+A_LOG = "a_log"            # -exp(A_log[:n_head]), F32
+K_B = "k_b"                # kv_b rows per head [k_nope; v] -> k part, transposed to (H, r, d_n)
+V_B = "v_b"                # kv_b -> v part (H, d_v, r)
+EXPERTS = "experts"        # per-expert matrices stacked over E (MXFP4 repacked bit-exactly)
+
+
+@dataclass(frozen=True)
+class Rule:
+    gguf: str                                  # constants.T template
+    hf: tuple[str, ...]                        # HF names (after sanitize), "{bid}" for the layer
+    when: str                                  # layer predicate, see LAYER_KINDS
+    hf_shapes: Callable[[KimiConfig], tuple[Shape, ...]]
+    transform: str = COPY
+    f32: bool = False                          # kept F32 whatever the outtype (llama.cpp does)
+    group: str = "other"                       # for the plan summary
+
+
+LAYER_KINDS: dict[str, Callable[[KimiConfig, int], bool]] = {
+    "all": lambda c, il: True,
+    "kda": lambda c, il: c.is_kda(il),
+    "mla": lambda c, il: c.is_mla(il),
+    "indexer": lambda c, il: c.has_indexer(il),
+    "dense": lambda c, il: not c.is_moe(il),
+    "moe": lambda c, il: c.is_moe(il),
+    "moe_latent": lambda c, il: c.is_moe(il) and c.n_latent > 0,
+}
+
+L = "model.layers.{bid}."
+A = L + "self_attn."
+M = L + "block_sparse_moe."
+
+
+def _r(gguf, hf, when, shapes, transform=COPY, f32=False, group="other"):
+    hf = (hf,) if isinstance(hf, str) else hf
+    return Rule(gguf, hf, when, shapes, transform, f32, group)
+
+
+GLOBAL_RULES = [
+    _r(T.TOKEN_EMBD, "model.embed_tokens.weight", "global", lambda c: ((c.n_vocab, c.n_embd),), group="embeddings"),
+    _r(T.OUTPUT_NORM, "model.norm.weight", "global", lambda c: ((c.n_embd,),), f32=True, group="norms"),
+    _r(T.OUTPUT, "lm_head.weight", "global", lambda c: ((c.n_vocab, c.n_embd),), group="embeddings"),
+    _r(T.OUTPUT_RES_SCORE, ("model.output_attn_res_norm.weight", "model.output_attn_res_proj.weight"), "global",
+       lambda c: ((c.n_embd,), (1, c.n_embd)), RES_SCORE, f32=True, group="residual scores"),
+]
+
+LAYER_RULES = [
+    # every layer
+    _r(T.ATTN_NORM, L + "input_layernorm.weight", "all", lambda c: ((c.n_embd,),), f32=True, group="norms"),
+    _r(T.ATTN_RES_SCORE, (L + "self_attention_res_norm.weight", L + "self_attention_res_proj.weight"), "all",
+       lambda c: ((c.n_embd,), (1, c.n_embd)), RES_SCORE, f32=True, group="residual scores"),
+    # KDA
+    _r(T.ATTN_Q, A + "q_proj.weight", "kda", lambda c: ((c.d_inner, c.n_embd),), group="kda"),
+    _r(T.ATTN_K, A + "k_proj.weight", "kda", lambda c: ((c.d_inner, c.n_embd),), group="kda"),
+    _r(T.ATTN_V, A + "v_proj.weight", "kda", lambda c: ((c.d_inner, c.n_embd),), group="kda"),
+    _r(T.SSM_CONV1D_Q, A + "q_conv1d.weight", "kda", lambda c: ((c.d_inner, 1, c.conv_kernel),), CONV1D, True, "kda"),
+    _r(T.SSM_CONV1D_K, A + "k_conv1d.weight", "kda", lambda c: ((c.d_inner, 1, c.conv_kernel),), CONV1D, True, "kda"),
+    _r(T.SSM_CONV1D_V, A + "v_conv1d.weight", "kda", lambda c: ((c.d_inner, 1, c.conv_kernel),), CONV1D, True, "kda"),
+    _r(T.SSM_F_A, A + "f_a_proj.weight", "kda", lambda c: ((c.kda_head_dim, c.n_embd),), group="kda"),
+    _r(T.SSM_F_B, A + "f_b_proj.weight", "kda", lambda c: ((c.d_inner, c.kda_head_dim),), group="kda"),
+    _r(T.SSM_BETA, A + "b_proj.weight", "kda", lambda c: ((c.n_head, c.n_embd),), group="kda"),
+    # A_log: padded with zeros past n_head (96 -> 128 on the real model); any length >= n_head
+    _r(T.SSM_A, A + "A_log", "kda", lambda c: ((-c.n_head,),), A_LOG, True, "kda"),
+    _r(T.SSM_DT_BIAS, A + "dt_bias", "kda", lambda c: ((c.d_inner,),), f32=True, group="kda"),
+    _r(T.SSM_G, A + "g_proj.weight", "kda", lambda c: ((c.d_inner, c.n_embd),), group="kda"),
+    _r(T.SSM_NORM, A + "o_norm.weight", "kda", lambda c: ((c.kda_head_dim,),), f32=True, group="norms"),
+    _r(T.ATTN_OUT, A + "o_proj.weight", "kda", lambda c: ((c.n_embd, c.d_inner),), group="kda"),
+    # MLA (NoPE, gated)
+    _r(T.ATTN_Q_A, A + "q_a_proj.weight", "mla", lambda c: ((c.q_lora_rank, c.n_embd),), group="mla"),
+    _r(T.ATTN_Q_A_NORM, A + "q_a_layernorm.weight", "mla", lambda c: ((c.q_lora_rank,),), f32=True, group="norms"),
+    _r(T.ATTN_Q_B, A + "q_b_proj.weight", "mla",
+       lambda c: ((c.n_head * (c.qk_nope_head_dim + c.qk_rope_head_dim), c.q_lora_rank),), group="mla"),
+    _r(T.ATTN_KV_A_MQA, A + "kv_a_proj_with_mqa.weight", "mla",
+       lambda c: ((c.kv_lora_rank + c.qk_rope_head_dim, c.n_embd),), group="mla"),
+    _r(T.ATTN_KV_A_NORM, A + "kv_a_layernorm.weight", "mla", lambda c: ((c.kv_lora_rank,),), f32=True, group="norms"),
+    _r(T.ATTN_K_B, A + "kv_b_proj.weight", "mla", _kv_b_shape := (
+        lambda c: ((c.n_head * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank),)), K_B, group="mla"),
+    _r(T.ATTN_V_B, A + "kv_b_proj.weight", "mla", _kv_b_shape, V_B, group="mla"),
+    _r(T.ATTN_GATE, A + "g_proj.weight", "mla", lambda c: ((c.n_head * c.v_head_dim, c.n_embd),), group="mla"),
+    _r(T.ATTN_OUT, A + "o_proj.weight", "mla", lambda c: ((c.n_embd, c.n_head * c.v_head_dim),), group="mla"),
+    # K3.1 lightning indexer
+    _r(T.INDEXER_Q_B, A + "indexer.wq_b.weight", "indexer",
+       lambda c: ((c.indexer.n_head * c.indexer.head_dim, c.q_lora_rank),), group="indexer"),
+    _r(T.INDEXER_K, A + "indexer.wk.weight", "indexer", lambda c: ((c.indexer.head_dim, c.n_embd),), group="indexer"),
+    _r(T.INDEXER_PROJ, A + "indexer.weights_proj.weight", "indexer",
+       lambda c: ((c.indexer.n_head, c.n_embd),), f32=True, group="indexer"),
+    _r(T.INDEXER_K_NORM, A + "indexer.k_norm.weight", "indexer", lambda c: ((c.indexer.head_dim,),), f32=True,
+       group="indexer"),
+    _r(T.INDEXER_K_NORM_BIAS, A + "indexer.k_norm.bias", "indexer", lambda c: ((c.indexer.head_dim,),), f32=True,
+       group="indexer"),
+    # FFN input
+    _r(T.FFN_NORM, L + "post_attention_layernorm.weight", "all", lambda c: ((c.n_embd,),), f32=True, group="norms"),
+    _r(T.FFN_RES_SCORE, (L + "mlp_res_norm.weight", L + "mlp_res_proj.weight"), "all",
+       lambda c: ((c.n_embd,), (1, c.n_embd)), RES_SCORE, f32=True, group="residual scores"),
+    # dense FFN
+    _r(T.FFN_GATE, L + "mlp.gate_proj.weight", "dense", lambda c: ((c.n_ff, c.n_embd),), group="dense ffn"),
+    _r(T.FFN_UP, L + "mlp.up_proj.weight", "dense", lambda c: ((c.n_ff, c.n_embd),), group="dense ffn"),
+    _r(T.FFN_DOWN, L + "mlp.down_proj.weight", "dense", lambda c: ((c.n_embd, c.n_ff),), group="dense ffn"),
+    # latent MoE
+    _r(T.FFN_GATE_INP, M + "gate.weight", "moe", lambda c: ((c.n_expert, c.n_embd),), f32=True, group="moe router"),
+    _r(T.FFN_EXP_PROBS_B, M + "gate.e_score_correction_bias", "moe", lambda c: ((c.n_expert,),), f32=True,
+       group="moe router"),
+    _r(T.FFN_ROUTED_DOWN, M + "routed_expert_down_proj.weight", "moe_latent", lambda c: ((c.n_latent, c.n_embd),),
+       group="moe latent"),
+    _r(T.FFN_ROUTED_NORM, M + "routed_expert_norm.weight", "moe_latent", lambda c: ((c.n_latent,),), f32=True,
+       group="norms"),
+    _r(T.FFN_ROUTED_UP, M + "routed_expert_up_proj.weight", "moe_latent", lambda c: ((c.n_embd, c.n_latent),),
+       group="moe latent"),
+    _r(T.FFN_GATE_SHEXP, M + "shared_experts.gate_proj.weight", "moe",
+       lambda c: ((c.n_ff_exp * c.n_expert_shared, c.n_embd),), group="shared experts"),
+    _r(T.FFN_UP_SHEXP, M + "shared_experts.up_proj.weight", "moe",
+       lambda c: ((c.n_ff_exp * c.n_expert_shared, c.n_embd),), group="shared experts"),
+    _r(T.FFN_DOWN_SHEXP, M + "shared_experts.down_proj.weight", "moe",
+       lambda c: ((c.n_embd, c.n_ff_exp * c.n_expert_shared),), group="shared experts"),
+    # routed experts: HF names per expert; {proj} is w1/w2/w3, see expert_sources()
+    _r(T.FFN_GATE_EXPS, M + "experts.{e}.w1", "moe", lambda c: ((c.n_ff_exp, c.n_lat),), EXPERTS, group="routed experts"),
+    _r(T.FFN_DOWN_EXPS, M + "experts.{e}.w2", "moe", lambda c: ((c.n_lat, c.n_ff_exp),), EXPERTS, group="routed experts"),
+    _r(T.FFN_UP_EXPS, M + "experts.{e}.w3", "moe", lambda c: ((c.n_ff_exp, c.n_lat),), EXPERTS, group="routed experts"),
+]
+
+
+def sanitize(hf_name: str) -> str | None:
+    """Canonical HF text-model name, or None for tensors we drop (vision, projector)."""
+    if hf_name.startswith(HF_DROPPED_PREFIXES):
+        return None
+    name = hf_name.removeprefix(HF_TEXT_PREFIX)
+    if name.startswith("layers."):          # exports without the inner `model.` (vLLM mapper)
+        name = "model." + name
+    return name
+
+
+def expert_sources(rule: Rule, bid: int, n_expert: int, mxfp4: bool) -> list[tuple[str, ...]]:
+    """Per expert: (weight_packed, weight_scale) names, or (weight,) for a BF16 checkpoint."""
+    base = [rule.hf[0].format(bid=bid, e=e) for e in range(n_expert)]
+    if mxfp4:
+        return [(b + ".weight_packed", b + ".weight_scale") for b in base]
+    return [(b + ".weight",) for b in base]
+
+
+def gguf_shape(rule: Rule, c: KimiConfig) -> Shape:
+    """Numpy-order shape of the GGUF tensor a rule makes."""
+    hf = rule.hf_shapes(c)[0]
+    if rule.transform == RES_SCORE:
+        return (c.n_embd,)
+    if rule.transform == CONV1D:
+        return (1, c.d_inner, 1, c.conv_kernel)
+    if rule.transform == A_LOG:
+        return (c.n_head,)
+    if rule.transform == K_B:
+        return (c.n_head, c.kv_lora_rank, c.qk_nope_head_dim)
+    if rule.transform == V_B:
+        return (c.n_head, c.v_head_dim, c.kv_lora_rank)
+    if rule.transform == EXPERTS:
+        return (c.n_expert, *hf)
+    return hf

@@ -1,0 +1,330 @@
+"""The GGUF tokenizer for Kimi-K3, built from the checkpoint's own files.
+
+No transformers, tiktoken or remote code: `tiktoken.model` is a plain text table
+("base64(bytes) rank" per line), and the Kimi tokenizer is a GPT-2 style byte-level
+BPE over it, so everything llama.cpp needs can be derived with the stdlib:
+
+- ranked tokens become GPT-2 byte->unicode strings, their id being their rank;
+- the merge list is recovered from the ranks (tiktoken files store no merges): a
+  token's merge is the last step of running BPE over its bytes with only the
+  merges ranked below it;
+- the 256 ids after the ranked tokens are the tokenizer's special tokens, named from
+  `added_tokens_decoder` or `<|reserved_token_{id}|>`, all CONTROL (the Kimi
+  tokenizer treats the whole range as special, whatever the `special` flag says);
+- ids past that, up to the model's vocab_size, are `[PAD{id}]` UNUSED fillers,
+  because llama.cpp takes n_vocab from the token list and the embedding has
+  vocab_size rows.
+
+This reproduces what llama.cpp's converter writes for Kimi-K3 (pre "kimi-k2"), with
+eos = the config's `<|end_of_msg|>` (the turn terminator), not the tokenizer's [EOS].
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import gguf
+
+from .chat_template import K3_CHAT_TEMPLATE
+from .errors import KimiError
+
+TIKTOKEN_FILE = "tiktoken.model"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+
+# the Kimi tokenizer reserves this many special ids right after the ranked tokens
+N_RESERVED_SPECIAL = 256
+
+NORMAL = int(gguf.TokenType.NORMAL)
+CONTROL = int(gguf.TokenType.CONTROL)
+UNUSED = int(gguf.TokenType.UNUSED)
+
+
+class VocabError(KimiError):
+    """The tokenizer files are missing, malformed or disagree with the config."""
+
+
+@dataclass(frozen=True)
+class Vocab:
+    tokens: list[str]
+    token_types: list[int]
+    merges: list[str]
+    bos_id: int | None
+    eos_id: int | None
+    pad_id: int | None
+    unk_id: int | None
+    chat_template: str
+    pre: str = "kimi-k2"
+    model: str = "gpt2"
+    # llama.cpp's "kimi-k2" pre-tokenizer adds no BOS by default; written explicitly
+    add_bos: bool = False
+    add_eos: bool = False
+
+
+# --- public API -------------------------------------------------------------------
+
+
+def load_vocab(hf_dir: Path, text_config: dict) -> Vocab:
+    """Build the GGUF tokenizer of the checkpoint in `hf_dir`.
+
+    `text_config` supplies vocab_size and bos/eos/pad(/unk)_token_id (the HF
+    `text_config` of config.json). Raises VocabError with one line naming the file.
+    """
+    hf_dir = Path(hf_dir)
+    ranks = read_tiktoken(hf_dir / TIKTOKEN_FILE)
+    tok_config = _read_tokenizer_config(hf_dir / TOKENIZER_CONFIG_FILE)
+    n_vocab = _vocab_size(text_config, len(ranks))
+    specials = _special_tokens(tok_config, len(ranks), n_vocab, hf_dir / TOKENIZER_CONFIG_FILE)
+
+    tokens, types = _token_table(ranks, specials, n_vocab)
+    return Vocab(
+        tokens=tokens,
+        token_types=types,
+        merges=reconstruct_merges(ranks),
+        bos_id=_special_id(text_config, "bos", n_vocab),
+        eos_id=_special_id(text_config, "eos", n_vocab),
+        pad_id=_special_id(text_config, "pad", n_vocab),
+        unk_id=_special_id(text_config, "unk", n_vocab),
+        chat_template=_chat_template(hf_dir, tok_config),
+        add_bos=_flag(tok_config, "add_bos_token"),
+        add_eos=_flag(tok_config, "add_eos_token"),
+    )
+
+
+def write_vocab(vocab: Vocab, writer: gguf.GGUFWriter) -> None:
+    """Add the tokenizer.ggml.* and tokenizer.chat_template keys to `writer`."""
+    writer.add_tokenizer_model(vocab.model)
+    writer.add_tokenizer_pre(vocab.pre)
+    writer.add_token_list(vocab.tokens)
+    writer.add_token_types(vocab.token_types)
+    writer.add_token_merges(vocab.merges)
+    for kind in ("bos", "eos", "pad", "unk"):
+        token_id = getattr(vocab, f"{kind}_id")
+        if token_id is not None:
+            getattr(writer, f"add_{kind}_token_id")(token_id)
+    writer.add_add_bos_token(vocab.add_bos)
+    writer.add_add_eos_token(vocab.add_eos)
+    writer.add_chat_template(vocab.chat_template)
+
+
+# --- tiktoken.model ---------------------------------------------------------------
+
+
+def read_tiktoken(path: Path) -> list[bytes]:
+    """The ranked tokens of a tiktoken file, indexed by rank (ranks must be 0..n-1)."""
+    try:
+        text = path.read_text(encoding="ascii")
+    except FileNotFoundError:
+        raise VocabError(f"{path}: missing (the tokenizer's ranked tokens)") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise VocabError(f"{path}: unreadable: {e}") from None
+
+    by_rank: dict[int, bytes] = {}
+    seen: dict[bytes, int] = {}
+    for line_no, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        token, rank = _parse_tiktoken_line(path, line_no, line)
+        if rank in by_rank:
+            raise VocabError(f"{path}:{line_no}: duplicate rank {rank}")
+        if token in seen:
+            raise VocabError(f"{path}:{line_no}: token {token!r} already has rank {seen[token]}")
+        by_rank[rank] = token
+        seen[token] = rank
+    return _ranks_to_list(path, by_rank)
+
+
+def _parse_tiktoken_line(path: Path, line_no: int, line: str) -> tuple[bytes, int]:
+    parts = line.split()
+    if len(parts) != 2:
+        raise VocabError(f"{path}:{line_no}: expected 'base64 rank', got {line[:60]!r}")
+    try:
+        token = base64.b64decode(parts[0], validate=True)
+        rank = int(parts[1])
+    except (binascii.Error, ValueError):
+        raise VocabError(f"{path}:{line_no}: bad base64 token or rank in {line[:60]!r}") from None
+    if not token or rank < 0:
+        raise VocabError(f"{path}:{line_no}: empty token or negative rank in {line[:60]!r}")
+    return token, rank
+
+
+def _ranks_to_list(path: Path, by_rank: dict[int, bytes]) -> list[bytes]:
+    # ids are ranks and the special ids start at len(ranks), so a gap would shift them
+    n = len(by_rank)
+    if n == 0:
+        raise VocabError(f"{path}: no tokens")
+    if max(by_rank) != n - 1:
+        missing = next(r for r in range(n) if r not in by_rank)
+        raise VocabError(f"{path}: ranks are not 0..{n - 1}: rank {missing} is missing")
+    ranks = [by_rank[r] for r in range(n)]
+    singles = {t for t in ranks if len(t) == 1}
+    if len(singles) != 256:
+        missing = next(b for b in range(256) if bytes([b]) not in singles)
+        raise VocabError(f"{path}: byte 0x{missing:02x} has no token (byte-level BPE needs all 256)")
+    return ranks
+
+
+# --- merges -----------------------------------------------------------------------
+
+
+def reconstruct_merges(ranks: list[bytes]) -> list[str]:
+    """GPT-2 merges ("left right", in rank order) recovered from the ranked tokens."""
+    rank_of = {token: rank for rank, token in enumerate(ranks)}
+    merges = []
+    for rank, token in enumerate(ranks):
+        if len(token) < 2:
+            continue
+        parts = bpe_parts(rank_of, token, rank)
+        # a token not built from exactly two lower-ranked tokens has no merge
+        # (llama.cpp's converter skips it the same way)
+        if len(parts) == 2:
+            merges.append(f"{token_to_str(parts[0])} {token_to_str(parts[1])}")
+    return merges
+
+
+def bpe_parts(rank_of: dict[bytes, int], token: bytes, max_rank: int) -> list[bytes]:
+    """BPE over `token`'s bytes, applying only merges ranked below `max_rank`."""
+    parts = [token[i:i + 1] for i in range(len(token))]
+    while len(parts) > 1:
+        best_rank, best_i = max_rank, -1
+        for i in range(len(parts) - 1):
+            r = rank_of.get(parts[i] + parts[i + 1], max_rank)
+            if r < best_rank:
+                best_rank, best_i = r, i
+        if best_i < 0:
+            break
+        parts[best_i:best_i + 2] = [parts[best_i] + parts[best_i + 1]]
+    return parts
+
+
+@lru_cache(maxsize=1)
+def _byte_to_unicode() -> tuple[str, ...]:
+    # GPT-2's reversible map: printable latin-1 bytes stand for themselves, the
+    # rest are shifted to 256+ so no token string holds spaces or control chars
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    table: dict[int, str] = {b: chr(b) for b in printable}
+    shift = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + shift)
+            shift += 1
+    return tuple(table[b] for b in range(256))
+
+
+def token_to_str(token: bytes) -> str:
+    """The GPT-2 byte-level string of raw token bytes."""
+    table = _byte_to_unicode()
+    return "".join(table[b] for b in token)
+
+
+# --- special tokens and the token table ------------------------------------------
+
+
+def _read_tokenizer_config(path: Path) -> dict:
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise VocabError(f"{path}: missing (it names the special tokens)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise VocabError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise VocabError(f"{path}: expected a JSON object")
+    return config
+
+
+def _vocab_size(text_config: dict, n_ranked: int) -> int:
+    n_vocab = text_config.get("vocab_size")
+    if not isinstance(n_vocab, int) or isinstance(n_vocab, bool):
+        raise VocabError(f"config.json: text_config.vocab_size is missing or not an integer ({n_vocab!r})")
+    if n_vocab < n_ranked:
+        raise VocabError(f"config.json: vocab_size {n_vocab} is smaller than the "
+                         f"{n_ranked} ranked tokens of {TIKTOKEN_FILE}")
+    return n_vocab
+
+
+def _special_tokens(config: dict, n_ranked: int, n_vocab: int, path: Path) -> dict[int, str]:
+    """id -> content of the special tokens: the reserved range plus named added tokens."""
+    named = _added_tokens(config, path)
+    for token_id, content in named.items():
+        if token_id < n_ranked:
+            raise VocabError(f"{path}: added token {content!r} has id {token_id}, "
+                             f"which belongs to the {n_ranked} ranked tokens")
+        if token_id >= n_vocab:
+            raise VocabError(f"{path}: added token {content!r} has id {token_id}, "
+                             f"beyond vocab_size {n_vocab}")
+    reserved = range(n_ranked, min(n_ranked + N_RESERVED_SPECIAL, n_vocab))
+    specials = {i: f"<|reserved_token_{i}|>" for i in reserved}
+    # named ids past the reserved range are not special to the Kimi tokenizer, but
+    # they are still markup, so they stay CONTROL rather than become [PAD] fillers
+    specials.update(named)
+    return specials
+
+
+def _added_tokens(config: dict, path: Path) -> dict[int, str]:
+    decoder = config.get("added_tokens_decoder") or {}
+    if not isinstance(decoder, dict):
+        raise VocabError(f"{path}: added_tokens_decoder is not an object")
+    named: dict[int, str] = {}
+    owner: dict[str, int] = {}
+    for key, entry in decoder.items():
+        content = entry.get("content") if isinstance(entry, dict) else entry
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise VocabError(f"{path}: added_tokens_decoder key {key!r} is not an id") from None
+        if not isinstance(content, str) or not content:
+            raise VocabError(f"{path}: added token {token_id} has no content")
+        if content in owner:
+            raise VocabError(f"{path}: added token {content!r} is listed for ids {owner[content]} and {token_id}")
+        owner[content] = token_id
+        named[token_id] = content
+    return named
+
+
+def _token_table(ranks: list[bytes], specials: dict[int, str], n_vocab: int) -> tuple[list[str], list[int]]:
+    tokens = [token_to_str(t) for t in ranks]
+    types = [NORMAL] * len(ranks)
+    for i in range(len(ranks), n_vocab):
+        content = specials.get(i)
+        tokens.append(content if content is not None else f"[PAD{i}]")
+        types.append(CONTROL if content is not None else UNUSED)
+    return tokens, types
+
+
+def _special_id(text_config: dict, kind: str, n_vocab: int) -> int | None:
+    token_id = text_config.get(f"{kind}_token_id")
+    if token_id is None:
+        return None
+    if isinstance(token_id, list) and token_id:
+        token_id = token_id[0]          # HF allows a list of eos ids; the first is the main one
+    if not isinstance(token_id, int) or isinstance(token_id, bool) or not 0 <= token_id < n_vocab:
+        raise VocabError(f"config.json: {kind}_token_id {token_id!r} is not an id below vocab_size {n_vocab}")
+    return token_id
+
+
+def _flag(config: dict, key: str) -> bool:
+    value = config.get(key)
+    return value if isinstance(value, bool) else False
+
+
+def _chat_template(hf_dir: Path, config: dict) -> str:
+    """The checkpoint's own template if it has one (tokenizer_config, then
+    chat_template.jinja, as llama.cpp looks), else ours."""
+    template: Any = config.get("chat_template")
+    if isinstance(template, list):      # HF named templates: keep the default one
+        template = next((t.get("template") for t in template
+                         if isinstance(t, dict) and t.get("name") == "default"), None)
+    if isinstance(template, str) and template.strip():
+        return template
+    jinja_file = hf_dir / CHAT_TEMPLATE_FILE
+    if jinja_file.is_file():
+        try:
+            return jinja_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise VocabError(f"{jinja_file}: unreadable: {e}") from None
+    return K3_CHAT_TEMPLATE
