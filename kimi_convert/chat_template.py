@@ -25,6 +25,8 @@ from __future__ import annotations
 # Tool-declare JSON is compact with keys sorted at every level (as encoding_k3
 # dumps it); tojson has no portable sort/separator options, hence json_compact.
 # Keys are sorted case-sensitively to match Python's sort_keys.
+# Namespace fields avoid method names (items, keys, get...): llama.cpp's engine
+# resolves `ns.items` to the mapping method, not the field.
 K3_CHAT_TEMPLATE = r"""
 {%- macro attr_value(value) -%}
 {{- value|string|replace('&', '&amp;')|replace('"', '&quot;') -}}
@@ -164,17 +166,17 @@ K3_CHAT_TEMPLATE = r"""
 
 {%- macro tool_results(rest, calls) -%}
 {#- rest starts at the first tool message of a run; the run ends at the first other role -#}
-{%- set run = namespace(items=[], open=true, ordered=[]) -%}
+{%- set run = namespace(msgs=[], open=true, ordered=[]) -%}
 {%- for m in rest -%}
-{%- if run.open and m.get('role') == 'tool' -%}{%- set run.items = run.items + [m] -%}{%- else -%}{%- set run.open = false -%}{%- endif -%}
+{%- if run.open and m.get('role') == 'tool' -%}{%- set run.msgs = run.msgs + [m] -%}{%- else -%}{%- set run.open = false -%}{%- endif -%}
 {%- endfor -%}
 {#- results are put back in the order of the calls when every one names its call -#}
 {%- for call in calls -%}
-{%- for m in run.items -%}
+{%- for m in run.msgs -%}
 {%- if same_id(call, m) -%}{%- set run.ordered = run.ordered + [m] -%}{%- endif -%}
 {%- endfor -%}
 {%- endfor -%}
-{%- for m in (run.ordered if run.ordered|length == run.items|length else run.items) -%}
+{%- for m in (run.ordered if run.ordered|length == run.msgs|length else run.msgs) -%}
 {%- set name = result_name(m, calls, loop.index0) -%}
 {%- if not name -%}{{- raise_exception('Kimi-K3 template: a tool result names no tool and matches no call') -}}{%- endif -%}
 {{- message_el([['role', 'tool'], ['tool', name], ['index', loop.index]], content_text(m.get('content'))) -}}

@@ -64,10 +64,12 @@ def convert(
     try:
         plan = build_plan(hf_dir, outtype)
         max_size = parse_size(split_max_size)
-        print_plan(plan, out, split_max_tensors, max_size)
         if dry_run:
+            print_plan(plan, out, split_max_tensors, max_size)
             check_free_disk(plan, out)
             return
+        console.print(f"{plan.config.arch}: {len(plan.tensors)} tensors, {human(plan.total_bytes)} "
+                      f"-> {out}", highlight=False)
         with progress_bar(plan.total_bytes) as advance:
             result = run(plan, out, split_max_tensors=split_max_tensors, split_max_size=max_size,
                          force=force, on_bytes=advance)

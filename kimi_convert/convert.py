@@ -22,7 +22,7 @@ from gguf import GGMLQuantizationType as QT
 
 from . import mxfp4
 from .checkpoint import Checkpoint, SourceTensor, f32_to_bf16, to_f32
-from .constants import tname
+from .constants import HF_TEXT_PREFIX, tname
 from .errors import CheckpointError, OutputError
 from .gguf_io import COPY_CHUNK, FileRange, GGUFStreamWriter, OutTensor, tensor_nbytes
 from .model import KimiConfig
@@ -127,7 +127,8 @@ class _Planner:
     def source(self, name: str, needed_for: str) -> SourceTensor:
         t = self.text.get(name)
         if t is None:
-            raise CheckpointError(f"{self.hf_dir}: tensor {name} is missing (needed for {needed_for})")
+            raise CheckpointError(f"{self.hf_dir / 'model.safetensors.index.json'}: tensor "
+                                  f"{HF_TEXT_PREFIX}{name} is missing (needed for {needed_for})")
         self.used.add(name)
         return t
 

@@ -106,9 +106,18 @@ class GGUFStreamWriter:
                                   f"nothing was written") from None
             raise
         finally:
-            self.meta.close()
+            self._close_quietly()
             shutil.rmtree(self.tmp_dir, ignore_errors=True)
         return finals
+
+    def _close_quietly(self) -> None:
+        """Close every part even if flushing one fails (a full disk fails them all)."""
+        for f in self.meta.fout or []:
+            try:
+                f.close()
+            except OSError:
+                pass
+        self.meta.fout = None
 
     def _write_all(self, files: list[list[OutTensor]], on_bytes) -> list[Path]:
         m = self.meta

@@ -1,0 +1,44 @@
+"""Shared fixtures: tiny real-format checkpoints, generated at run time, and their conversions."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from fixtures.make_checkpoint import make_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def k3_dir(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("k3") / "Kimi-K3-tiny", arch="k3")
+
+
+@pytest.fixture(scope="session")
+def k31_dir(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("k31") / "Kimi-K3.1-tiny", arch="k31")
+
+
+def _convert(hf_dir: Path, out: Path, outtype: str) -> Path:
+    from kimi_convert.convert import build_plan, convert
+    convert(build_plan(hf_dir, outtype), out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def converted(tmp_path_factory, k3_dir, k31_dir):
+    """(arch, outtype) -> converted GGUF path, made once per session."""
+    out_dir = tmp_path_factory.mktemp("gguf")
+    cache: dict[tuple[str, str], Path] = {}
+
+    def get(arch: str, outtype: str = "bf16") -> Path:
+        if (arch, outtype) not in cache:
+            src = k3_dir if arch == "k3" else k31_dir
+            cache[arch, outtype] = _convert(src, out_dir / f"{arch}-{outtype}.gguf", outtype)
+        return cache[arch, outtype]
+
+    return get
