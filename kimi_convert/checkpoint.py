@@ -26,7 +26,7 @@ NUMPY_DTYPE = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32, "U8": np
                "I8": np.int8, "I32": np.int32, "I64": np.int64, "F64": np.float64}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SourceTensor:
     name: str
     dtype: str
@@ -92,9 +92,10 @@ class Checkpoint:
         self.dir = Path(hf_dir)
         if not self.dir.is_dir():
             raise CheckpointError(f"{self.dir}: not a directory")
-        self.weight_map = self._read_index()
+        weight_map = self._read_index()
+        self.shards = sorted(set(weight_map.values()))
         self.tensors: dict[str, SourceTensor] = {}
-        self._read_shards()
+        self._read_shards(weight_map)   # the map is dropped after: 497k names cost ~80 MB
 
     def _read_index(self) -> dict[str, str]:
         index = self.dir / INDEX_NAME
@@ -110,27 +111,26 @@ class Checkpoint:
             raise CheckpointError(f"{index}: empty weight_map")
         return wm
 
-    def _read_shards(self) -> None:
-        shards = sorted(set(self.weight_map.values()))
-        for shard in shards:
+    def _read_shards(self, weight_map: dict[str, str]) -> None:
+        for shard in self.shards:
             path = self.dir / shard
             if not path.exists():
                 raise CheckpointError(f"{path}: missing shard (named in {INDEX_NAME})")
             found = read_shard_header(path)
             for name, t in found.items():
-                listed = self.weight_map.get(name)
+                listed = weight_map.get(name)
                 if listed != shard:
                     where = f"indexed in {listed}" if listed else f"not in {INDEX_NAME}"
                     raise CheckpointError(f"{path}: tensor {name} is in this shard but {where}")
             self.tensors.update(found)
-        for name, shard in self.weight_map.items():
+        for name, shard in weight_map.items():
             if name not in self.tensors:
                 raise CheckpointError(f"{self.dir / shard}: tensor {name} is in {INDEX_NAME} "
                                       f"but not in its shard")
 
     @property
     def shard_paths(self) -> list[Path]:
-        return [self.dir / s for s in sorted(set(self.weight_map.values()))]
+        return [self.dir / s for s in self.shards]
 
     # --- reading tensor bytes ---
 

@@ -323,15 +323,19 @@ def moe_route(x: np.ndarray, w: Weights, cfg: KimiConfig) -> tuple[np.ndarray, n
 
 
 def routed_experts(z: np.ndarray, sel: np.ndarray, wts: np.ndarray, w: Weights, cfg: KimiConfig) -> np.ndarray:
-    """sum_slot w * down_e situ(gate_e z, up_e z), dequantising each selected expert once."""
+    """sum_slot w * down_e situ(gate_e z, up_e z), dequantising each selected expert once.
+
+    Each token is a separate mat-vec so that its result does not depend on which other
+    tokens chose the same expert (BLAS rounding varies with the batch size).
+    """
     n_tok, k = sel.shape
     per_slot = np.zeros((k, n_tok, w.tensor(T.FFN_DOWN_EXPS).shape[1]), F32)
     for e in np.unique(sel):
-        ts, slots = np.nonzero(sel == e)
-        ze = z[ts]
-        act = situ(ze @ w.expert(T.FFN_GATE_EXPS, e).T, ze @ w.expert(T.FFN_UP_EXPS, e).T,
-                   cfg.situ_beta, cfg.situ_linear_beta)
-        per_slot[slots, ts] = (act @ w.expert(T.FFN_DOWN_EXPS, e).T) * wts[ts, slots][:, None]
+        gate, up, down = (w.expert(n, e) for n in (T.FFN_GATE_EXPS, T.FFN_UP_EXPS, T.FFN_DOWN_EXPS))
+        for t, slot in zip(*np.nonzero(sel == e)):
+            act = situ(gate @ z[t], up @ z[t], cfg.situ_beta, cfg.situ_linear_beta)
+            per_slot[slot, t] = (down @ act) * wts[t, slot]
+        del gate, up, down
     y = per_slot[0]
     for j in range(1, k):                          # added slot by slot, as ggml aggregates
         y = y + per_slot[j]
