@@ -257,8 +257,7 @@ class ReferenceConfig:
             situ_beta=float(tc.get("activation_situ_beta", 1.0)),
             situ_linear_beta=None if lb is None or lb <= 0 else float(lb),
             n_experts_per_tok=int(_first(tc, ("num_experts_per_token", "num_experts_per_tok")) or 0),
-            renormalize=bool(_first(tc, ("moe_renormalize", "norm_topk_prob")) if
-                             _first(tc, ("moe_renormalize", "norm_topk_prob")) is not None else True),
+            renormalize=_first(tc, ("moe_renormalize", "norm_topk_prob")) in (None, True),
             routed_scaling_factor=float(tc.get("routed_scaling_factor") or 1.0),
             index_n_heads=ih,
             index_head_dim=id_,
@@ -461,10 +460,13 @@ def latent_moe(x: torch.Tensor, w: dict, cfg: ReferenceConfig, expert) -> tuple[
         "block_sparse_moe.routed_expert_down_proj.weight" in w) else x
     y = z.new_zeros(z.shape)
     for e in torch.unique(sel).tolist():  # ascending expert id: a fixed summation order per token
-        rows, slot = (sel == e).nonzero(as_tuple=True)
-        w1, w3, w2 = expert(e)  # decoded now, dropped after use
-        out = situ(z[rows] @ w1.T, z[rows] @ w3.T, cfg.situ_beta, cfg.situ_linear_beta) @ w2.T
-        y.index_add_(0, rows, out * weights[rows, slot].unsqueeze(-1))
+        w1, w3, w2 = expert(e)  # decoded once per layer call, dropped after use
+        for t, slot in (sel == e).nonzero().tolist():
+            # One token at a time on purpose: a GEMM over the gathered tokens can round a row differently
+            # depending on how many other tokens picked e, which would break exact causality.
+            zt = z[t : t + 1]
+            out = situ(zt @ w1.T, zt @ w3.T, cfg.situ_beta, cfg.situ_linear_beta) @ w2.T
+            y[t] += weights[t, slot] * out[0]
     if "block_sparse_moe.routed_expert_norm.weight" in w:
         y = rms_norm(y, w["block_sparse_moe.routed_expert_norm.weight"], cfg.rms_norm_eps)
     if "block_sparse_moe.routed_expert_up_proj.weight" in w:

@@ -29,7 +29,7 @@ from .gguf_io import GGUFFile, open_gguf
 from .model import KimiConfig
 
 F32 = np.float32
-OUTPUT_CHUNK_ROWS = 16384      # rows of `output` / vocab dequantised at a time
+OUTPUT_CHUNK_ROWS = 8192       # rows of `output` / vocab dequantised at a time
 
 
 # ------------------------------------------------------------------------------------
@@ -65,9 +65,9 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 
 def softplus(x: np.ndarray) -> np.ndarray:
-    """ggml_softplus: log1p(exp(x)), passed through above 20 where it equals x in f32."""
+    """ggml_softplus: log(1 + exp(x)), and x itself above 20 (where they agree in f32)."""
     with np.errstate(over="ignore"):
-        return np.where(x > 20, x, np.log1p(np.exp(x))).astype(F32)
+        return np.where(x > 20, x, np.log(F32(1) + np.exp(x))).astype(F32)
 
 
 def softmax(x: np.ndarray) -> np.ndarray:
@@ -112,13 +112,19 @@ class Weights:
         """Expert e of an (E, rows, cols) tensor: each expert's bytes are one contiguous slice."""
         t = self.tensor(template)
         self.loaded_experts.add((self.il, int(e)))
-        return np.asarray(dequantize(t.raw[e], t.qtype), dtype=F32).reshape(t.shape[1:])
+        raw = _outer_slices(t)[e].reshape(t.shape[1], -1)           # bytes of one row per line
+        return np.asarray(dequantize(raw, t.qtype), dtype=F32).reshape(t.shape[1:])
 
     def rows(self, template: str, ids) -> np.ndarray:
         """Rows `ids` (indices or a slice) of a 2-D tensor, without dequantising the rest."""
         t = self.tensor(template)
-        raw = t.raw[ids if isinstance(ids, slice) else np.asarray(ids, dtype=np.int64)]
+        raw = _outer_slices(t)[ids if isinstance(ids, slice) else np.asarray(ids, dtype=np.int64)]
         return np.asarray(dequantize(raw, t.qtype), dtype=F32).reshape(-1, t.shape[-1])
+
+
+def _outer_slices(t) -> np.ndarray:
+    """The mmapped bytes of t as [shape[0], bytes per outer index]; slicing reads only those bytes."""
+    return t.raw_bytes().reshape(t.shape[0], -1)
 
 
 def linear(w: Weights, template: str, x: np.ndarray) -> np.ndarray:
@@ -342,8 +348,8 @@ def routed_experts(z: np.ndarray, sel: np.ndarray, wts: np.ndarray, w: Weights, 
     return y
 
 
-def latent_moe(x: np.ndarray, w: Weights, cfg: KimiConfig) -> tuple[np.ndarray, np.ndarray]:
-    """Latent MoE on the ffn-normed x -> (y [T, n_embd], routing margin [T])."""
+def latent_moe(x: np.ndarray, w: Weights, cfg: KimiConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Latent MoE on the ffn-normed x -> (y [T, n_embd], routing margin [T], selected [T, k])."""
     sel, wts, margin = moe_route(x, w, cfg)
     z = linear(w, T.FFN_ROUTED_DOWN, x) if w.has(T.FFN_ROUTED_DOWN) else x
     y = routed_experts(z, sel, wts, w, cfg)
@@ -355,7 +361,7 @@ def latent_moe(x: np.ndarray, w: Weights, cfg: KimiConfig) -> tuple[np.ndarray, 
         sh = situ(linear(w, T.FFN_GATE_SHEXP, x), linear(w, T.FFN_UP_SHEXP, x),
                   cfg.situ_beta, cfg.situ_linear_beta)
         y = y + linear(w, T.FFN_DOWN_SHEXP, sh)
-    return y, margin
+    return y, margin, sel
 
 
 # ------------------------------------------------------------------------------------
@@ -367,9 +373,24 @@ class RoutingMargins:
 
     moe[il][t]: k-th selected minus best rejected biased router score.
     dsa[il][t]: last kept minus best dropped indexer score; NaN where t+1 <= top_k.
+    experts[il] [T, k]: the selected experts; kept[il] [T, T]: the tokens the indexer kept.
     """
+    n_tokens: int = 0
     moe: dict[int, np.ndarray] = field(default_factory=dict)
     dsa: dict[int, np.ndarray] = field(default_factory=dict)
+    experts: dict[int, np.ndarray] = field(default_factory=dict)
+    kept: dict[int, np.ndarray] = field(default_factory=dict)
+
+    def same_choices_until(self, other: "RoutingMargins") -> int:
+        """The number of leading positions at which both runs made the same discrete choices."""
+        n = self.n_tokens
+        for il, sel in self.experts.items():
+            diff = np.flatnonzero((np.sort(sel, 1) != np.sort(other.experts[il], 1)).any(1))
+            n = min(n, diff[0]) if len(diff) else n
+        for il, keep in self.kept.items():
+            diff = np.flatnonzero((keep != other.kept[il]).any(1))
+            n = min(n, diff[0]) if len(diff) else n
+        return int(n)
 
     def smallest(self) -> tuple[str, int, int, float] | None:
         """(kind, layer, position, gap) of the closest call, or None if nothing was chosen."""
@@ -412,7 +433,7 @@ class Runtime:
         ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
         if ids.size == 0 or ids.min() < 0 or ids.max() >= self.gf.tensors[T.TOKEN_EMBD].shape[0]:
             raise ValueError(f"token ids must be non-empty and in [0, {self.gf.tensors[T.TOKEN_EMBD].shape[0]})")
-        self.routing_margins = RoutingMargins()
+        self.routing_margins = RoutingMargins(n_tokens=len(ids))
         self.loaded_experts = set()
         return self._forward(ids)
 
@@ -447,13 +468,14 @@ class Runtime:
         keep = causal_mask(len(h))
         if cfg.has_indexer(il):
             keep, self.routing_margins.dsa[il] = lightning_indexer(h, c_q, w, cfg, cfg.indexer.top_k)
+            self.routing_margins.kept[il] = keep
         return mla(h, w, cfg, c_q, keep)
 
     def ffn_block(self, il: int, x: np.ndarray) -> np.ndarray:
         cfg, w = self.cfg, self.weights(il)
         if not cfg.is_moe(il):
             return dense_ffn(x, w, cfg)
-        y, self.routing_margins.moe[il] = latent_moe(x, w, cfg)
+        y, self.routing_margins.moe[il], self.routing_margins.experts[il] = latent_moe(x, w, cfg)
         return y
 
     # --- reporting ---

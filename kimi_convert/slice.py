@@ -97,7 +97,8 @@ def parse_layers(spec: str, cfg: KimiConfig) -> list[int]:
         out += range(lo, hi + 1)
     bad = sorted({i for i in out if i >= cfg.n_layer})
     if bad:
-        raise SliceError(f"--layers {spec!r}: layers {bad} do not exist (the model has 0..{cfg.n_layer - 1})")
+        shown = ", ".join(map(str, bad[:8])) + (", ..." if len(bad) > 8 else "")
+        raise SliceError(f"--layers {spec!r}: layer(s) {shown} do not exist (the model has 0..{cfg.n_layer - 1})")
     dup = sorted({i for i in out if out.count(i) > 1})
     if dup:
         raise SliceError(f"--layers {spec!r}: layers {dup} are listed twice")

@@ -2,7 +2,7 @@
 
 import pytest
 
-torch = pytest.importorskip("torch")
+import torch  # noqa: E402  (the test extra installs it; missing torch is a failure)
 
 from kimi_convert.reference import E2M1_VALUES, ReferenceModel, dequantize_mxfp4  # noqa: E402
 
@@ -85,7 +85,8 @@ def test_k3_causality(k3_dir):
     a = _tokens(m, 9, seed=2)
     b = a[:5] + _tokens(m, 4, seed=3)
     la, lb = m.logits(a), m.logits(b)
-    torch.testing.assert_close(la[:5], lb[:5], rtol=1e-5, atol=1e-5)
+    # exact: every op is row-local or masked, and experts run one token at a time
+    assert torch.equal(la[:5], lb[:5])
     assert not torch.allclose(la[5:], lb[5:])
 
 
@@ -154,4 +155,76 @@ def test_k31_causality(k31_dir):
     m = ReferenceModel(k31_dir, top_k_override=3)
     a = _tokens(m, 8, seed=4)
     b = a[:4] + _tokens(m, 4, seed=5)
-    torch.testing.assert_close(m.logits(a)[:4], m.logits(b)[:4], rtol=1e-5, atol=1e-5)
+    assert torch.equal(m.logits(a)[:4], m.logits(b)[:4])
+
+
+# -- checkpoint variants -----------------------------------------------------------------------------
+
+
+def test_bf16_experts_match_mxfp4_experts(tmp_path):
+    # the fixture's BF16 experts are the exact dequantisation of its MXFP4 ones
+    from fixtures.make_checkpoint import make_checkpoint
+
+    mx = ReferenceModel(str(make_checkpoint(str(tmp_path / "mx"), arch="k3", n_layers=3, seed=0)))
+    bf = ReferenceModel(str(make_checkpoint(str(tmp_path / "bf"), arch="k3", n_layers=3, seed=0,
+                                            experts_mxfp4=False)))
+    toks = _tokens(mx, 6)
+    assert torch.equal(mx.logits(toks), bf.logits(toks))
+
+
+@pytest.mark.parametrize("rename", [
+    lambda n: n.replace("language_model.model.layers.", "language_model.layers."),  # vLLM-style export
+    lambda n: n.removeprefix("language_model."),  # no outer prefix
+])
+def test_name_variants_and_unsharded_file(tmp_path, rename):
+    import json
+    import os
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from fixtures.make_checkpoint import make_checkpoint
+
+    src = str(make_checkpoint(str(tmp_path / "src"), arch="k31", n_layers=4, seed=0))
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    shutil.copy(os.path.join(src, "config.json"), dst / "config.json")
+    with open(os.path.join(src, "model.safetensors.index.json")) as f:
+        weight_map = json.load(f)["weight_map"]
+    tensors = {}
+    for name, shard in weight_map.items():
+        if name.startswith("language_model."):
+            with safe_open(os.path.join(src, shard), framework="pt") as f:
+                tensors[rename(name)] = f.get_tensor(name)
+    save_file(tensors, str(dst / "model.safetensors"))  # no index.json: single-file path
+
+    a = ReferenceModel(src, top_k_override=2)
+    toks = _tokens(a, 5)
+    assert torch.equal(a.logits(toks), ReferenceModel(str(dst), top_k_override=2).logits(toks))
+
+
+def test_dsa_config_aliases_and_errors():
+    from kimi_convert.reference import ReferenceConfig
+
+    def cfg(dsa, arch="KimiK31ForConditionalGeneration", **extra):
+        tc = {"num_hidden_layers": 4, "hidden_size": 8, "num_attention_heads": 2, "top_k": 50,
+              "linear_attn_config": {"full_attn_layers": [4], "kda_layers": [1, 2, 3]}, **extra}
+        if dsa is not None:
+            tc["dsa_config"] = dsa
+        return ReferenceConfig.from_hf({"architectures": [arch], "text_config": tc})
+
+    c = cfg({"head_count": 2, "key_length": 4, "topk": 3, "indexer_layers": [4]})
+    assert (c.index_n_heads, c.index_head_dim, c.index_topk, c.dsa_layers) == (2, 4, 3, frozenset({3}))
+    c = cfg({"n_heads": 2, "head_dim": 4, "top_k": 3})  # no layer list: the full-attention layers
+    assert c.dsa_layers == frozenset({3})
+    # DeepSeek-style keys directly in text_config; the generic `top_k: 50` noise is never read
+    c = cfg(None, index_n_heads=2, index_head_dim=4, index_topk=7)
+    assert c.index_topk == 7
+    with pytest.raises(ValueError):
+        cfg(None)  # K3.1 architecture without indexer settings
+    with pytest.raises(ValueError):
+        cfg({"index_n_heads": 2, "index_head_dim": 4})  # no top_k
+    with pytest.raises(ValueError):
+        cfg({"index_n_heads": 2, "index_head_dim": 4, "index_topk": 3, "layers": [3]})  # not the MLA layers
+    assert cfg(None, arch="KimiK3ForConditionalGeneration").dsa_layers == frozenset()

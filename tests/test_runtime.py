@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -18,7 +17,7 @@ from gguf import GGUFWriter
 from gguf.quants import dequantize, quantize
 
 from kimi_convert import runtime as rt
-from kimi_convert.constants import ARCH_K3, ARCH_K31, T, tname
+from kimi_convert.constants import ARCH_K3, ARCH_K31, Key, T, key, tname
 from kimi_convert.model import IndexerConfig, KimiConfig
 from kimi_convert.runtime import Runtime
 
@@ -91,8 +90,8 @@ def make_weights(c: KimiConfig, seed: int = 0) -> dict[str, np.ndarray]:
             x = -np.exp(rng.uniform(-1.5, 1.0, shape))             # -exp(A_log)
         elif name.endswith(("_norm.weight", "k_norm.weight")) and len(shape) == 1:
             x = 1 + 0.2 * x
-        elif name.endswith("res_score.weight"):
-            x = 0.5 * x
+        elif name.endswith("res_score.weight"):                   # mix scores of O(1): soft, not one-hot
+            x = 0.1 * x
         elif name.endswith(("ssm_dt.bias", "exp_probs_b.bias", "k_norm.bias")):
             x = 0.3 * x
         elif "ssm_conv1d" in name:
@@ -151,7 +150,10 @@ def files(tmp_path_factory):
                 "k31": (ARCH_K31, 2, "f32", -5.0), "k3": (ARCH_K3, 2, "f32", -5.0),
                 "k3-b0": (ARCH_K3, 0, "f32", -5.0), "k3-softplus": (ARCH_K3, 2, "f32", None),
                 "k31-bf16": (ARCH_K31, 2, "bf16", -5.0), "k31-q8_0": (ARCH_K31, 2, "q8_0", -5.0),
-                "k3-f32-experts": (ARCH_K3, 2, "f32-experts", -5.0)}[name]
+                "k3-f32-experts": (ARCH_K3, 2, "f32-experts", -5.0),
+                "k3-softplus-f32-experts": (ARCH_K3, 2, "f32-experts", None),
+                "k3-b0-f32-experts": (ARCH_K3, 0, "f32-experts", -5.0),
+                "k31-f32-experts": (ARCH_K31, 2, "f32-experts", -5.0)}[name]
             c = tiny_config(arch, block=block, gate_lb=lb)
             cache[name] = write_gguf(d / f"{name}.gguf", c, make_weights(c), mode)
         return cache[name]
@@ -199,21 +201,34 @@ def test_hidden_is_what_output_multiplies(files):
     np.testing.assert_allclose(r.logits(SEQ), h @ out.T, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("mode,tol", [("bf16", 2e-2), ("q8_0", 2e-2)])
-def test_quantized_files_track_f32(files, mode, tol):
-    """BF16 / Q8_0 weights (experts MXFP4 in both): logits within `tol` of the F32 file, relative to their spread.
+@pytest.mark.parametrize("mode", ["bf16", "q8_0"])
+def test_quantized_file_runs_exactly_its_dequantised_values(files, tmp_path, mode):
+    """The runtime computes in f32 on dequantised weights: a BF16 / Q8_0 file gives bit-identical
+    logits to an F32 file holding the values it dequantises to."""
+    q = Runtime(files(f"k31-{mode}"))
+    c = q.cfg
+    values = {n: t.to_float32() for n, t in q.gf.tensors.items()}
+    assert {q.gf.tensors[T.ATTN_Q.format(bid=0)].qtype, q.gf.tensors[T.TOKEN_EMBD].qtype} == {QT[mode.upper()]}
+    f32 = Runtime(write_gguf(tmp_path / "deq.gguf", c, values, "f32"))
+    np.testing.assert_array_equal(q.logits(SEQ), f32.logits(SEQ))
 
-    The F32 run's routing margins are checked first, so a failure here is a precision
-    problem, not a near-tie that flipped an expert.
-    """
-    ref_rt = Runtime(files("k31"))
-    ref = ref_rt.logits(SEQ)
-    assert ref_rt.routing_margins.smallest()[3] > 1e-3
-    got = Runtime(files(f"k31-{mode}")).logits(SEQ)
-    err = np.abs(got - ref).max() / ref.std()
-    assert err < tol, f"{mode}: max |diff| / std = {err:.3g}"
-    assert err > 0           # the variant really was quantized
-    assert (got.argmax(1) == ref.argmax(1)).mean() >= 0.9
+
+# Stated tolerance: per-position relative L2 error of the logits against the F32 file, at the
+# positions before the first discrete choice (expert or indexer top-k) that differs. Measured on
+# this random 4-layer fixture, where each layer amplifies a perturbation about 2-4x: BF16 <= 0.035
+# and Q8_0 <= 0.065 over 4 weight seeds (llama.cpp's own doc expects ~1e-2 for BF16 on real models).
+QUANT_TOL = {"bf16": 0.05, "q8_0": 0.10}
+
+
+@pytest.mark.parametrize("mode", ["bf16", "q8_0"])
+def test_quantized_files_track_f32(files, mode):
+    ref_rt, q_rt = Runtime(files("k31")), Runtime(files(f"k31-{mode}"))
+    ref, got = ref_rt.logits(SEQ), q_rt.logits(SEQ)
+    n_same = ref_rt.routing_margins.same_choices_until(q_rt.routing_margins)
+    assert n_same >= 4, "the fixture flips a routing choice too early for a precision check"
+    err = np.linalg.norm(got - ref, axis=1) / np.linalg.norm(ref, axis=1)
+    assert 0 < err[:n_same].max() < QUANT_TOL[mode], f"{mode}: relative errors {np.round(err, 4)}"
+    assert (got[:n_same].argmax(1) == ref[:n_same].argmax(1)).mean() >= 0.75
 
 
 def test_only_selected_experts_are_dequantised(files):
@@ -454,7 +469,8 @@ def test_latent_moe_routing_rules(files):
         srt = np.sort(biased[t])[::-1]
         assert gap[t] == pytest.approx(srt[1] - srt[2], abs=1e-5)
     # the whole latent MoE against a float64 sum over the selected experts
-    y, _ = rt.latent_moe(x, w, c)
+    y, _, chosen = rt.latent_moe(x, w, c)
+    np.testing.assert_array_equal(chosen, sel)
     W = _f64(r, il)
     z = x.astype(np.float64) @ W(T.FFN_ROUTED_DOWN).T
 
@@ -512,15 +528,36 @@ def test_bad_token_ids(files):
 
 
 # ------------------------------------------------------------------------------------
-# against llama.cpp itself (llama-cpp-python 0.3.36 knows kimi-k3; skipped when absent)
+# against llama.cpp itself (kimi_convert.interop; install with `bash .ci/install-interop.sh`).
+# Files are all-F32 (experts too): llama.cpp quantises activations to Q8_0 in front of MXFP4
+# experts and to bf16 in front of BF16 weights, which this runtime deliberately does not do.
+# Measured agreement: max |diff| <= 1e-5 on logits of magnitude ~4 (native) and <= 6e-6 on
+# hidden states (wllama), so 1e-4 of the scale leaves room for other CPUs' SIMD paths.
 
-def test_matches_llama_cpp(files):
-    llama_cpp = pytest.importorskip("llama_cpp")
-    path = files("k3-f32-experts")                 # F32 everywhere: no activation rounding in llama.cpp
-    ours = Runtime(path).logits(SEQ)
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_batch=64, n_ubatch=64, logits_all=True,
-                          type_k=0, type_v=0, flash_attn=False, n_threads=1, verbose=False)
-    llm.eval(SEQ)
-    theirs = np.asarray(llm.scores[: len(SEQ)], dtype=np.float32)
-    del llm
-    np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4 * np.abs(theirs).max())
+def _interop(fn_name: str):
+    """A missing build raises InteropUnavailable: the test fails, it never skips."""
+    from kimi_convert import interop
+    return getattr(interop, fn_name)
+
+
+@pytest.mark.parametrize("name", ["k3-f32-experts", "k3-softplus-f32-experts", "k3-b0-f32-experts"])
+def test_matches_native_llama_cpp(files, name):
+    """kimi-k3 in llama.cpp (llama-cpp-python 0.3.36, F32 cache, no flash attention): every position's logits."""
+    seq = SEQ + SEQ[::-1]
+    r = Runtime(files(name))
+    ours = r.logits(seq)
+    assert r.routing_margins.smallest()[3] > 1e-5          # no near-tie that could flip between the two
+    theirs = _interop("llama_cpp_logits")(files(name), seq, n_ctx=64)
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-4 * np.abs(theirs).max())
+
+
+@pytest.mark.parametrize("top_k", [2, 5, 64])
+def test_matches_wllama_kimi_k31(files, top_k):
+    """kimi-k31 in llama.cpp b12211 (wllama): final hidden states with the indexer keeping top_k tokens."""
+    seq = SEQ + SEQ[::-1]
+    r = Runtime(files("k31-f32-experts"), top_k=top_k)
+    ours = r.hidden(seq)
+    assert r.routing_margins.smallest()[3] > 1e-5
+    theirs = _interop("wllama_hidden_states")(files("k31-f32-experts"), seq,
+                                              kv_overrides={key(Key.INDEXER_TOP_K, ARCH_K31): top_k})
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-4 * np.abs(theirs).max())

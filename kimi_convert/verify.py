@@ -1,0 +1,960 @@
+"""Prove a GGUF by reading and executing it: `kimi-verify check`.
+
+With the HF checkpoint (`verify(gguf, hf_dir)`), six parts, each pass/fail with figures:
+
+  structure   the file(s) parse; tensor data aligned, inside the file, not overlapping
+  tensors     every GGUF tensor against its HF source through the plan's transform:
+              bit-exact for float and MXFP4 tensors, relative RMS error within the type's
+              bound for quantised ones; nothing missing, nothing extra
+  metadata    every architecture key (value and GGUF type) against
+              KimiConfig.gguf_metadata() of the checkpoint's config, plus the vocabulary
+  logits      runtime (GGUF) vs reference (HF) on a fixed token sequence: max |diff|,
+              argmax agreement, KL, within the file class's tolerances; positions whose
+              MoE / DSA routing margin is below tolerance are listed and excluded
+  k31 indexer top_k >= length is bit-identical to dense MLA (runtime and reference), and
+              top_k below the length diverges (KL reported) while matching the reference
+  perplexity  of runtime and reference on the sequence, and their ratio
+
+Without a checkpoint (`verify(gguf)`): structure; every tensor the architecture implies
+(from KimiConfig.from_gguf and tensor_map's table) present with its shape and an allowed
+type, no extra, all data readable and finite; metadata keys with the types llama.cpp
+reads; a forward pass without NaN; and the runtime-only half of the k31 part.
+
+Tolerances and their reasons: docs/verification.md. A part that raises is a failed part
+(the error is its message); only an unreadable checkpoint aborts the whole run.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+from gguf import GGUFReader, GGUFValueType
+from gguf import GGMLQuantizationType as QT
+from gguf.quants import dequantize
+
+from . import mxfp4
+from .checkpoint import NUMPY_DTYPE, Checkpoint, SourceTensor, bf16_to_f32, f32_to_bf16, to_f32
+from .constants import INDEXER_MATRIX_TYPES, Key, key, tname
+from .errors import KimiError
+from .gguf_io import GGUFFile, GGUFTensor, gguf_parts, open_gguf, tensor_nbytes
+from .model import KimiConfig
+from .tensor_map import (A_LOG, CONV1D, COPY, EXPERTS, GLOBAL_RULES, K_B, LAYER_KINDS, LAYER_RULES,
+                         RES_SCORE, V_B, gguf_shape)
+
+SEQ_LEN = 32
+SEED = 0
+CHUNK_ELEMS = 1 << 22            # elements compared at a time (16 MiB of f32 per side)
+MIN_JUDGED_FRACTION = 0.5        # fewer unflagged positions than this and the logits part fails
+
+# Quantised tensors: bound on the relative RMS error ||dequant - source|| / ||source||.
+# About 2.5x what gguf.quants measures on heavy-tailed (Student-t 3) data for the legacy
+# types, the bit-width analogues for K/IQ types. A wrong tensor (swapped, transposed,
+# another layer's) scores ~sqrt(2) = 1.41, so even the loosest bound catches it.
+QUANT_REL_RMS = {
+    QT.Q8_0: 0.02, QT.Q8_1: 0.02, QT.Q8_K: 0.02,
+    QT.Q6_K: 0.05,
+    QT.Q5_0: 0.1, QT.Q5_1: 0.1, QT.Q5_K: 0.1,
+    QT.Q4_0: 0.2, QT.Q4_1: 0.2, QT.Q4_K: 0.2, QT.IQ4_NL: 0.2, QT.IQ4_XS: 0.2,
+    QT.MXFP4: 0.25, QT.NVFP4: 0.25,
+    QT.Q3_K: 0.35, QT.IQ3_S: 0.35, QT.IQ3_XXS: 0.35,
+    QT.Q2_K: 0.6, QT.IQ2_S: 0.6, QT.IQ2_XS: 0.6, QT.IQ2_XXS: 0.6,
+    QT.IQ1_S: 1.0, QT.IQ1_M: 1.0, QT.TQ1_0: 1.0, QT.TQ2_0: 1.0,
+}
+FLOAT_TYPES = (QT.F32, QT.F16, QT.BF16)
+
+
+# ------------------------------------------------------------------------------------
+# tolerances (docs/verification.md explains every number)
+
+@dataclass(frozen=True)
+class Tolerance:
+    file_class: str
+    logits_rtol: float      # max |logit diff| <= logits_rtol * RMS(reference logits)
+    kl_max: float           # per position, KL(reference || runtime), nats
+    margin: float           # routing margins below this are near-ties: flagged, not judged
+
+    def atol(self, scale: float) -> float:
+        return self.logits_rtol * scale
+
+    @property
+    def divergence_min(self) -> float:
+        """A forced top_k must move some position's KL this far above the agreement bound."""
+        return 10 * self.kl_max
+
+
+TOLERANCES = {
+    "f32": Tolerance("f32", logits_rtol=1e-3, kl_max=1e-6, margin=1e-4),
+    "bf16": Tolerance("bf16", logits_rtol=2e-2, kl_max=1e-3, margin=1e-3),
+    "quantized": Tolerance("quantized", logits_rtol=1e-1, kl_max=2e-2, margin=1e-2),
+}
+
+
+def file_class(gf: GGUFFile) -> str:
+    """The loosest weight type of the file; MXFP4 experts are lossless repacks and do not count."""
+    worst = "f32"
+    for name, t in gf.tensors.items():
+        if t.qtype == QT.F32 or (t.qtype == QT.MXFP4 and name.endswith("_exps.weight")):
+            continue
+        if t.qtype in (QT.BF16, QT.F16):
+            worst = "bf16" if worst == "f32" else worst
+        else:
+            return "quantized"
+    return worst
+
+
+# ------------------------------------------------------------------------------------
+# report
+
+@dataclass
+class Part:
+    key: str
+    title: str
+    ok: bool | None = None                  # None: not applicable / not run
+    summary: str = ""
+    figures: dict[str, Any] = field(default_factory=dict)
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+
+    def fail(self, message: str) -> None:
+        self.failures.append(message)
+
+    def finish(self, summary: str) -> "Part":
+        self.ok = not self.failures
+        self.summary = summary
+        return self
+
+
+@dataclass
+class Report:
+    gguf: str
+    hf_dir: str | None
+    tokens: list[int]
+    tolerance: dict[str, Any]
+    parts: list[Part]
+
+    @property
+    def ok(self) -> bool:
+        return all(p.ok is not False for p in self.parts) and any(p.ok for p in self.parts)
+
+    def part(self, key: str) -> Part:
+        return next(p for p in self.parts if p.key == key)
+
+    def to_dict(self) -> dict:
+        return _jsonable({"ok": self.ok, "gguf": self.gguf, "hf_dir": self.hf_dir, "tokens": self.tokens,
+                          "tolerance": self.tolerance, "parts": [asdict(p) for p in self.parts]})
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple, set)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (np.floating, float)):
+        v = float(x)
+        return v if math.isfinite(v) else str(v)
+    if isinstance(x, (np.integer,)):
+        return int(x)
+    if isinstance(x, np.bool_):
+        return bool(x)
+    if isinstance(x, (QT, GGUFValueType)):
+        return x.name
+    return x
+
+
+def _run(part: Part, body: Callable[[Part], Part | None]) -> Part:
+    """Run one part; an exception is that part's failure, never the end of the report."""
+    try:
+        out = body(part)
+        if out is not None:
+            return out
+        if part.ok is None:
+            part.finish(part.summary)
+    except Exception as e:           # noqa: BLE001 - a crashing part is a failed part
+        part.fail(f"{type(e).__name__}: {e}")
+        part.ok = False
+        part.summary = part.summary or "error"
+    return part
+
+
+# ------------------------------------------------------------------------------------
+# the token sequence
+
+def token_sequence(gf: GGUFFile, length: int = SEQ_LEN, seed: int = SEED,
+                   extra_special: tuple[int | None, ...] = ()) -> list[int]:
+    """`length` ids drawn with a fixed seed among the NORMAL tokens (no control, unused or
+    configured special id), below the embedding's row count."""
+    n_rows = gf.tensors["token_embd.weight"].shape[0] if "token_embd.weight" in gf.tensors else 0
+    types = gf.fields.get("tokenizer.ggml.token_type")
+    if types:
+        ok = np.array([i for i, t in enumerate(types[:n_rows]) if t == 1], dtype=np.int64)
+    else:
+        ok = np.arange(n_rows, dtype=np.int64)
+    special = {int(i) for i in extra_special if i is not None}
+    for k in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.padding_token_id",
+              "tokenizer.ggml.unknown_token_id"):
+        if k in gf.fields:
+            special.add(int(gf.fields[k]))
+    ok = ok[~np.isin(ok, list(special))]
+    if len(ok) == 0:
+        raise KimiError("the vocabulary has no ordinary token to build a test sequence from")
+    rng = np.random.default_rng(seed)
+    return [int(i) for i in rng.choice(ok, size=length, replace=True)]
+
+
+# ------------------------------------------------------------------------------------
+# numbers
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def kl_div(ref: np.ndarray, other: np.ndarray) -> np.ndarray:
+    """KL(softmax(ref) || softmax(other)) per row, in nats."""
+    lr, lo = log_softmax(ref), log_softmax(other)
+    return np.maximum((np.exp(lr) * (lr - lo)).sum(-1), 0.0)
+
+
+def perplexity(logits: np.ndarray, ids: list[int], positions: list[int] | None = None) -> float:
+    """exp(mean -log p(ids[t+1] | logits[t])) over positions t (default: all but the last)."""
+    lp = log_softmax(logits)
+    pos = [t for t in (positions if positions is not None else range(len(ids) - 1)) if t < len(ids) - 1]
+    if not pos:
+        return float("nan")
+    return float(math.exp(-np.mean([lp[t, ids[t + 1]] for t in pos])))
+
+
+@dataclass
+class Flags:
+    """Positions with a near-tie routing choice, and why."""
+    reasons: dict[int, list[str]] = field(default_factory=dict)
+
+    def add(self, t: int, why: str) -> None:
+        self.reasons.setdefault(int(t), []).append(why)
+
+    @property
+    def positions(self) -> list[int]:
+        return sorted(self.reasons)
+
+    def describe(self) -> list[str]:
+        return [f"position {t}: " + "; ".join(self.reasons[t]) for t in self.positions]
+
+
+def routing_flags(margin_tol: float, *sources: tuple[str, dict[str, dict[int, Any]]]) -> Flags:
+    """sources: (label, {"moe": {il: [T]}, "dsa": {il: [T]}}); NaN/inf margins mean no choice."""
+    flags = Flags()
+    seen: dict[tuple[int, str, int], tuple[float, str]] = {}
+    for label, margins in sources:
+        for kind in ("moe", "dsa"):
+            for il, gaps in (margins.get(kind) or {}).items():
+                g = np.asarray(gaps.detach().numpy() if hasattr(gaps, "detach") else gaps, dtype=np.float64)
+                for t in np.nonzero(np.isfinite(g) & (g < margin_tol))[0]:
+                    key = (int(t), kind, int(il))
+                    if key not in seen or g[t] < seen[key][0]:
+                        seen[key] = (float(g[t]), label)
+    for (t, kind, il), (gap, label) in sorted(seen.items()):
+        flags.add(t, f"{kind.upper()} layer {il} margin {gap:.2e} ({label})")
+    return flags
+
+
+def _margins_of(obj) -> dict:
+    """Runtime.routing_margins (dataclass) or ReferenceModel.last_routing_margins (dict)."""
+    if isinstance(obj, dict):
+        return obj
+    return {"moe": getattr(obj, "moe", {}), "dsa": getattr(obj, "dsa", {})}
+
+
+def compare_logits(run: np.ndarray, ref: np.ndarray, tol: Tolerance, exclude: list[int]) -> dict[str, Any]:
+    """Figures and verdict of runtime logits vs reference logits (positions in `exclude` not judged)."""
+    run, ref = np.asarray(run, np.float64), np.asarray(ref, np.float64)
+    T = len(ref)
+    scale = float(np.sqrt(np.mean(ref ** 2))) or 1.0
+    atol = tol.atol(scale)
+    diff = np.abs(run - ref).max(-1)
+    kl = kl_div(ref, run)
+    top2 = np.sort(ref, axis=-1)[:, -2:] if ref.shape[-1] > 1 else np.zeros((T, 2))
+    near_tie = (top2[:, 1] - top2[:, 0]) < 2 * atol
+    agree = run.argmax(-1) == ref.argmax(-1)
+    judged = [t for t in range(T) if t not in set(exclude)]
+    j = np.array(judged, dtype=np.int64)
+    bad_diff = [t for t in judged if diff[t] > atol]
+    bad_kl = [t for t in judged if kl[t] > tol.kl_max]
+    bad_arg = [t for t in judged if not agree[t] and not near_tie[t]]
+    enough = len(judged) >= max(1, math.ceil(MIN_JUDGED_FRACTION * T))
+    return {
+        "ok": not (bad_diff or bad_kl or bad_arg) and enough and bool(np.isfinite(run).all()),
+        "finite": bool(np.isfinite(run).all()),
+        "positions": T, "judged": len(judged), "excluded": sorted(set(exclude)), "enough_judged": enough,
+        "logit_scale_rms": scale, "atol": atol,
+        "max_abs_diff": float(diff[j].max()) if len(j) else float("nan"),
+        "max_abs_diff_all": float(diff.max()),
+        "argmax_agree": int(agree[j].sum()) if len(j) else 0,
+        "argmax_near_ties": [t for t in judged if near_tie[t] and not agree[t]],
+        "kl_max": float(kl[j].max()) if len(j) else float("nan"),
+        "kl_mean": float(kl[j].mean()) if len(j) else float("nan"),
+        "kl_tol": tol.kl_max,
+        "bad_diff": bad_diff, "bad_kl": bad_kl, "bad_argmax": bad_arg,
+    }
+
+
+def _logit_failures(c: dict, what: str) -> list[str]:
+    out = []
+    if not c["finite"]:
+        out.append(f"{what}: non-finite logits")
+    if c["bad_diff"]:
+        out.append(f"{what}: |diff| > {c['atol']:.2e} at positions {c['bad_diff']}")
+    if c["bad_kl"]:
+        out.append(f"{what}: KL > {c['kl_tol']:.0e} at positions {c['bad_kl']}")
+    if c["bad_argmax"]:
+        out.append(f"{what}: argmax differs at positions {c['bad_argmax']}")
+    if not c["enough_judged"]:
+        out.append(f"{what}: only {c['judged']}/{c['positions']} positions left after excluding near-ties")
+    return out
+
+
+def _fmt_logits(c: dict) -> str:
+    return (f"max|Δ| {c['max_abs_diff']:.2e} (tol {c['atol']:.2e}), argmax {c['argmax_agree']}/{c['judged']}, "
+            f"KL max {c['kl_max']:.1e} (tol {c['kl_tol']:.0e})"
+            + (f", excluded {c['excluded']}" if c["excluded"] else ""))
+
+
+# ------------------------------------------------------------------------------------
+# part: structure
+
+def check_structure(part: Part, path: Path) -> Part:
+    parts = gguf_parts(path)
+    n_tensors = 0
+    for p in parts:
+        size = p.stat().st_size
+        try:
+            r = GGUFReader(p, "r")
+        except Exception as e:                      # noqa: BLE001
+            part.fail(f"{p.name}: not a readable GGUF ({e})")
+            continue
+        align = int(r.alignment)
+        ranges = []
+        for t in r.tensors:
+            rel = int(t.data_offset) - int(r.data_offset)
+            qt = QT(t.tensor_type)
+            shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+            want = tensor_nbytes(qt, shape)
+            if rel % align:
+                part.fail(f"{p.name}: {t.name} data offset {rel} is not a multiple of the alignment {align}")
+            if int(t.n_bytes) != want:
+                part.fail(f"{p.name}: {t.name} holds {t.n_bytes} bytes, {qt.name}{list(shape)} needs {want}")
+            if int(t.data_offset) + want > size:
+                part.fail(f"{p.name}: {t.name} runs past the end of the file")
+            ranges.append((int(t.data_offset), int(t.data_offset) + want, t.name))
+        ranges.sort()
+        for (a0, a1, an), (b0, b1, bn) in zip(ranges, ranges[1:]):
+            if b0 < a1:
+                part.fail(f"{p.name}: tensors {an} and {bn} overlap")
+        n_tensors += len(r.tensors)
+        part.rows.append({"file": p.name, "bytes": size, "tensors": len(r.tensors), "alignment": align,
+                          "gguf_version": int(r.fields["GGUF.version"].parts[-1][0]) if "GGUF.version" in r.fields
+                          else None, "data_offset": int(r.data_offset)})
+        if len(parts) > 1:
+            no = r.fields.get("split.no")
+            if no is None or int(no.parts[-1][0]) != parts.index(p):
+                part.fail(f"{p.name}: split.no is missing or not {parts.index(p)}")
+    part.figures = {"files": len(parts), "tensors": n_tensors}
+    return part.finish(f"{len(parts)} file(s), {n_tensors} tensors, offsets aligned and in bounds")
+
+
+# ------------------------------------------------------------------------------------
+# part: tensors against the checkpoint
+
+@dataclass
+class _Acc:
+    """Running comparison of one tensor, chunk by chunk."""
+    exact: bool
+    n: int = 0
+    n_diff: int = 0
+    first_diff: int | None = None
+    max_abs: float = 0.0
+    sse: float = 0.0
+    ss: float = 0.0
+    max_ulp: int = 0
+
+    def add(self, expected: np.ndarray, got: np.ndarray, offset: int = 0) -> None:
+        e = np.ascontiguousarray(expected, np.float32).reshape(-1)
+        g = np.ascontiguousarray(got, np.float32).reshape(-1)
+        if e.shape != g.shape:
+            raise ValueError(f"{g.size} values where {e.size} were expected")
+        if self.exact:
+            neq = e.view(np.uint32) != g.view(np.uint32)
+            both_nan = np.isnan(e) & np.isnan(g)
+            neq &= ~both_nan
+            k = int(neq.sum())
+            if k:
+                if self.first_diff is None:
+                    self.first_diff = offset + int(np.argmax(neq))
+                self.n_diff += k
+        with np.errstate(invalid="ignore", over="ignore"):
+            d = np.abs(e.astype(np.float64) - g.astype(np.float64))
+        d = np.where(np.isnan(e) & np.isnan(g), 0.0, d)
+        if d.size:
+            m = float(np.nanmax(d)) if not np.isnan(d).all() else float("nan")
+            self.max_abs = max(self.max_abs, m) if not math.isnan(m) else float("nan")
+        self.sse += float(np.nansum(d * d))
+        self.ss += float(np.nansum(e.astype(np.float64) ** 2))
+        self.n += e.size
+
+    @property
+    def rel_rms(self) -> float:
+        return math.sqrt(self.sse / self.ss) if self.ss > 0 else (0.0 if self.sse == 0 else float("inf"))
+
+
+def _round_to(values: np.ndarray, qtype: QT) -> np.ndarray:
+    """What storing f32 `values` as a float qtype gives back (RNE for BF16, IEEE for F16)."""
+    if qtype == QT.F32:
+        return values
+    if qtype == QT.BF16:
+        return bf16_to_f32(f32_to_bf16(values))
+    if qtype == QT.F16:
+        with np.errstate(over="ignore"):
+            return values.astype(np.float16).astype(np.float32)
+    return values
+
+
+def _gguf_values(t: GGUFTensor, index=slice(None)) -> np.ndarray:
+    """Dequantised values of t.raw[index] (a row range or an expert), f32."""
+    return np.asarray(dequantize(t.raw[index], t.qtype), dtype=np.float32)
+
+
+def _rows(src: SourceTensor, ckpt: Checkpoint, a: int, b: int) -> np.ndarray:
+    row = src.nbytes // src.shape[0]
+    raw = ckpt.read_raw(src, a * row, (b - a) * row)
+    return to_f32(np.frombuffer(raw, dtype=NUMPY_DTYPE[src.dtype]), src.dtype)
+
+
+def _expected_chunks(p, t: GGUFTensor, ckpt: Checkpoint, cfg: KimiConfig) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(expected f32 in GGUF layout, GGUF f32) pieces of one planned tensor, bounded in size."""
+    tr = p.rule.transform
+    if tr in (COPY, CONV1D):
+        src = p.sources[0][0]
+        if len(src.shape) < 2 or len(t.raw.shape) < 2 or tr == CONV1D:
+            yield ckpt.read_f32(src).reshape(-1), _gguf_values(t).reshape(-1)
+            return
+        n_rows = src.shape[0]
+        per = max(1, CHUNK_ELEMS // max(1, int(np.prod(src.shape[1:]))))
+        raw2d = t.raw.reshape(n_rows, -1)
+        for a in range(0, n_rows, per):
+            b = min(n_rows, a + per)
+            yield _rows(src, ckpt, a, b), np.asarray(dequantize(raw2d[a:b], t.qtype), np.float32).reshape(-1)
+    elif tr == RES_SCORE:
+        norm, proj = (ckpt.read_f32(s).reshape(-1) for s in p.sources[0])
+        yield (norm.astype(np.float32) * proj.astype(np.float32)), _gguf_values(t).reshape(-1)
+    elif tr == A_LOG:
+        yield None, _gguf_values(t).reshape(-1)     # handled by the caller (ulp compare)
+    elif tr in (K_B, V_B):
+        src = p.sources[0][0]
+        kv = ckpt.read_f32(src).reshape(cfg.n_head, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        part = (kv[:, :cfg.qk_nope_head_dim, :].transpose(0, 2, 1) if tr == K_B
+                else kv[:, cfg.qk_nope_head_dim:, :])
+        yield np.ascontiguousarray(part).reshape(-1), _gguf_values(t).reshape(-1)
+    elif tr == EXPERTS:
+        for e, group in enumerate(p.sources):
+            if len(group) == 2:          # compressed-tensors MXFP4, decoded by its own definition
+                exp = mxfp4.decode_compressed(ckpt.read(group[0]), ckpt.read(group[1]))
+            else:
+                exp = ckpt.read_f32(group[0])
+            yield exp.reshape(-1), _gguf_values(t, e).reshape(-1)
+    else:
+        raise AssertionError(f"unknown transform {tr}")
+
+
+def compare_tensor(p, t: GGUFTensor, ckpt: Checkpoint, cfg: KimiConfig) -> dict[str, Any]:
+    """One planned tensor against the GGUF one: a row of the tensors table."""
+    row: dict[str, Any] = {"tensor": p.name, "type": t.qtype.name, "transform": p.rule.transform}
+    if t.shape != p.shape:
+        return row | {"ok": False, "mode": "shape", "detail": f"shape {list(t.shape)}, expected {list(p.shape)}"}
+    if p.rule.transform == A_LOG:
+        # -exp(A_log[:H]) is computed, not copied: compared with the float64 value rounded to the
+        # stored type, within 4 ulp (no float32 exp is correctly rounded everywhere)
+        a = ckpt.read_f32(p.sources[0][0]).astype(np.float64)[:cfg.n_head]
+        want = _round_to((-np.exp(a)).astype(np.float32), t.qtype)
+        got = _gguf_values(t).reshape(-1)
+        if t.qtype in FLOAT_TYPES:
+            ulp = np.abs(want.view(np.int32).astype(np.int64) - got.view(np.int32).astype(np.int64))
+            ulp_max = int(ulp.max()) if ulp.size else 0
+            ok = ulp_max <= 4 and bool((np.sign(want) == np.sign(got)).all())
+            return row | {"ok": ok, "mode": "ulp", "max_ulp": ulp_max,
+                          "detail": f"max {ulp_max} ulp from -exp(A_log) (bound 4)"}
+        acc = _Acc(exact=False)
+        acc.add(want, got)
+        return _quant_row(row, acc, t.qtype)
+    exact = t.qtype in FLOAT_TYPES or (t.qtype == QT.MXFP4 and p.rule.transform == EXPERTS
+                                       and len(p.sources[0]) == 2)
+    acc = _Acc(exact=exact)
+    offset = 0
+    for expected, got in _expected_chunks(p, t, ckpt, cfg):
+        if exact:
+            expected = _round_to(np.asarray(expected, np.float32), t.qtype)
+            if t.qtype == QT.MXFP4:      # ggml's E2M1 table has no -0: code 8 decodes to +0
+                expected, got = expected + np.float32(0), got + np.float32(0)
+        acc.add(expected, got, offset)
+        offset += got.size
+    if exact:
+        ok = acc.n_diff == 0
+        detail = ("bit-exact" if ok else
+                  f"{acc.n_diff}/{acc.n} values differ (first at flat index {acc.first_diff}, "
+                  f"max |diff| {acc.max_abs:.3g})")
+        return row | {"ok": ok, "mode": "exact", "n_values": acc.n, "n_diff": acc.n_diff,
+                      "max_abs_diff": acc.max_abs, "detail": detail}
+    return _quant_row(row, acc, t.qtype)
+
+
+def _quant_row(row: dict, acc: _Acc, qtype: QT) -> dict:
+    bound = QUANT_REL_RMS.get(qtype)
+    if bound is None:
+        return row | {"ok": False, "mode": "bound", "detail": f"no error bound known for {qtype.name}"}
+    rel = acc.rel_rms
+    return row | {"ok": rel <= bound, "mode": "bound", "rel_rms": rel, "bound": bound,
+                  "max_abs_diff": acc.max_abs,
+                  "detail": f"relative RMS error {rel:.3e} (bound {bound:g} for {qtype.name})"}
+
+
+def check_tensors(part: Part, plan, gf: GGUFFile, log: Callable[[str], None]) -> Part:
+    ckpt, cfg = plan.checkpoint, plan.config
+    planned = {p.name: p for p in plan.tensors}
+    n_ok = 0
+    by_mode: dict[str, int] = {}
+    for i, p in enumerate(plan.tensors):
+        t = gf.tensors.get(p.name)
+        if t is None:
+            part.fail(f"{p.name}: missing from the GGUF")
+            part.rows.append({"tensor": p.name, "ok": False, "mode": "missing", "detail": "missing"})
+            continue
+        row = compare_tensor(p, t, ckpt, cfg)
+        part.rows.append(row)
+        by_mode[row["mode"]] = by_mode.get(row["mode"], 0) + 1
+        if row["ok"]:
+            n_ok += 1
+        else:
+            part.fail(f"{p.name}: {row['detail']}")
+        if i % 64 == 63:
+            log(f"tensors: {i + 1}/{len(plan.tensors)}")
+    extra = sorted(set(gf.tensors) - set(planned))
+    for name in extra:
+        part.fail(f"{name}: in the GGUF but not made from any checkpoint tensor")
+        part.rows.append({"tensor": name, "ok": False, "mode": "extra", "detail": "extra tensor"})
+    part.figures = {"matched": n_ok, "total": len(plan.tensors), "extra": len(extra), "by_mode": by_mode,
+                    "mismatched": [r["tensor"] for r in part.rows if not r["ok"]]}
+    return part.finish(f"{n_ok}/{len(plan.tensors)} tensors match their HF source"
+                       + (f", {len(extra)} extra" if extra else "")
+                       + f" ({', '.join(f'{v} {k}' for k, v in sorted(by_mode.items()))})")
+
+
+# ------------------------------------------------------------------------------------
+# part: metadata
+
+def field_types(paths: list[Path]) -> dict[str, tuple[GGUFValueType, GGUFValueType | None]]:
+    out = {}
+    for p in paths:
+        r = GGUFReader(p, "r")
+        for name, f in r.fields.items():
+            if name.startswith("GGUF.") or name in out:
+                continue
+            main = GGUFValueType(f.types[0])
+            out[name] = (main, GGUFValueType(f.types[-1]) if main == GGUFValueType.ARRAY else None)
+    return out
+
+
+def _same_value(want: Any, got: Any, vtype: GGUFValueType, sub: GGUFValueType | None) -> bool:
+    if vtype == GGUFValueType.ARRAY:
+        if not isinstance(got, list) or len(got) != len(want):
+            return False
+        return all(_same_value(w, g, sub, None) for w, g in zip(want, got))
+    if vtype in (GGUFValueType.FLOAT32,):
+        return np.float32(want) == np.float32(got)
+    if vtype == GGUFValueType.FLOAT64:
+        return float(want) == float(got)
+    if vtype == GGUFValueType.BOOL:
+        return bool(want) == bool(got)
+    return want == got
+
+
+def _short(v: Any) -> str:
+    if isinstance(v, list):
+        s = "[" + ",".join(str(int(x)) if isinstance(x, bool) else str(x) for x in v[:16])
+        return s + (",...]" if len(v) > 16 else "]")
+    return repr(v)
+
+
+def check_metadata(part: Part, expected: list, gf: GGUFFile, arch: str, *, cfg: KimiConfig) -> Part:
+    types = field_types(gf.paths)
+    n_ok = 0
+    if gf.fields.get("general.architecture") != arch:
+        part.fail(f"general.architecture is {gf.fields.get('general.architecture')!r}, expected {arch!r}")
+    for name, want, vtype, sub in expected:
+        got = gf.fields.get(name)
+        row = {"key": name, "expected": _short(want), "type": vtype.name + (f"[{sub.name}]" if sub else "")}
+        if name not in gf.fields:
+            row |= {"ok": False, "found": "missing"}
+            part.fail(f"{name}: missing (expected {_short(want)})")
+        elif types.get(name) != (vtype, sub):
+            t, s = types.get(name, (None, None))
+            found_t = (t.name if t else "?") + (f"[{s.name}]" if s else "")
+            row |= {"ok": False, "found": f"{_short(got)} as {found_t}"}
+            part.fail(f"{name}: stored as {found_t}, expected {row['type']}")
+        elif not _same_value(want, got, vtype, sub):
+            row |= {"ok": False, "found": _short(got)}
+            part.fail(f"{name}: {_short(got)}, expected {_short(want)}")
+        else:
+            row |= {"ok": True, "found": _short(got)}
+            n_ok += 1
+        part.rows.append(row)
+    wanted = {k for k, *_ in expected}
+    stray = sorted(k for k in gf.fields if k.startswith(arch + ".") and k not in wanted)
+    for k in stray:
+        part.fail(f"{k}: unexpected key (not written for this config)")
+        part.rows.append({"key": k, "ok": False, "expected": "absent", "found": _short(gf.fields[k])})
+    # vocabulary: llama.cpp takes n_vocab from the token list
+    tokens = gf.fields.get("tokenizer.ggml.tokens")
+    n_tok = len(tokens) if isinstance(tokens, list) else None
+    for k in ("tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
+        v = gf.fields.get(k)
+        if v is not None and n_tok is not None and len(v) != n_tok:
+            part.fail(f"{k}: {len(v)} entries for {n_tok} tokens")
+    vocab_ok = n_tok == cfg.n_vocab
+    if not vocab_ok:
+        part.fail(f"tokenizer.ggml.tokens: {n_tok} tokens, config vocab_size is {cfg.n_vocab}")
+    for k in ("token_embd.weight", "output.weight"):
+        t = gf.tensors.get(k)
+        if t is not None and t.shape[0] != cfg.n_vocab:
+            part.fail(f"{k}: {t.shape[0]} rows, vocab_size is {cfg.n_vocab}")
+    for k in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.padding_token_id"):
+        if k in gf.fields and n_tok is not None and not 0 <= int(gf.fields[k]) < n_tok:
+            part.fail(f"{k}: {gf.fields[k]} is outside the vocabulary")
+    part.rows.append({"key": "tokenizer.ggml.tokens (count)", "expected": cfg.n_vocab, "found": n_tok,
+                      "type": "ARRAY[STRING]", "ok": vocab_ok})
+    part.figures = {"keys_matched": n_ok, "keys_expected": len(expected), "unexpected_keys": stray,
+                    "vocab_tokens": n_tok, "vocab_size": cfg.n_vocab}
+    return part.finish(f"{n_ok}/{len(expected)} architecture keys match (value and type), "
+                       f"vocabulary {n_tok}/{cfg.n_vocab}" + (f", {len(stray)} unexpected" if stray else ""))
+
+
+# ------------------------------------------------------------------------------------
+# lone GGUF: the tensors the architecture implies
+
+def expected_tensors(cfg: KimiConfig) -> dict[str, tuple[Any, tuple[int, ...]]]:
+    """name -> (rule, numpy shape) from tensor_map's table, as build_plan walks it."""
+    out = {}
+    for r in GLOBAL_RULES:
+        out[tname(r.gguf)] = (r, gguf_shape(r, cfg))
+    for il in range(cfg.n_layer):
+        for r in LAYER_RULES:
+            if LAYER_KINDS[r.when](cfg, il):
+                out[tname(r.gguf, il)] = (r, gguf_shape(r, cfg))
+    return out
+
+
+def _allowed_types(rule) -> tuple[QT, ...] | None:
+    if rule.gguf.startswith("blk.{bid}.indexer.") and not rule.f32:
+        return INDEXER_MATRIX_TYPES            # llama.cpp refuses anything else
+    if rule.f32:
+        return (QT.F32,)                       # norms, scores, router, conv, ssm_a, dt, indexer.proj
+    return None
+
+
+def check_lone_tensors(part: Part, gf: GGUFFile, cfg: KimiConfig, log: Callable[[str], None]) -> Part:
+    want = expected_tensors(cfg)
+    n_ok = 0
+    for i, (name, (rule, shape)) in enumerate(want.items()):
+        t = gf.tensors.get(name)
+        row = {"tensor": name, "expected_shape": list(shape)}
+        problems = []
+        if t is None:
+            problems.append("missing")
+        else:
+            row |= {"type": t.qtype.name, "shape": list(t.shape)}
+            if t.shape != shape:
+                problems.append(f"shape {list(t.shape)}, the architecture implies {list(shape)}")
+            allowed = _allowed_types(rule)
+            if allowed and t.qtype not in allowed:
+                problems.append(f"type {t.qtype.name}, must be {'/'.join(q.name for q in allowed)}")
+            if not problems:
+                bad = _non_finite(t)
+                if bad:
+                    problems.append(f"{bad} non-finite values")
+        row["ok"] = not problems
+        row["detail"] = "; ".join(problems) or "present, readable, finite"
+        part.rows.append(row)
+        if problems:
+            part.fail(f"{name}: {row['detail']}")
+        else:
+            n_ok += 1
+        if i % 64 == 63:
+            log(f"tensors: {i + 1}/{len(want)}")
+    extra = sorted(set(gf.tensors) - set(want))
+    for name in extra:
+        part.fail(f"{name}: not a tensor of {cfg.arch} with this metadata")
+        part.rows.append({"tensor": name, "ok": False, "detail": "extra"})
+    part.figures = {"present_ok": n_ok, "expected": len(want), "extra": extra}
+    return part.finish(f"{n_ok}/{len(want)} expected tensors present with the implied shape, "
+                       f"readable and finite" + (f", {len(extra)} extra" if extra else ""))
+
+
+def _non_finite(t: GGUFTensor) -> int:
+    """Non-finite values of t, dequantised a slab of its first axis at a time."""
+    if len(t.shape) < 2:
+        return int((~np.isfinite(_gguf_values(t))).sum())
+    per = max(1, CHUNK_ELEMS // max(1, int(np.prod(t.shape[1:]))))
+    return sum(int((~np.isfinite(_gguf_values(t, slice(a, a + per)))).sum())
+               for a in range(0, t.shape[0], per))
+
+
+# keys a reader may omit (KimiConfig.from_gguf and llama.cpp fall back to a default)
+LONE_OPTIONAL = (Key.VOCAB_SIZE, Key.INDEXER_TYPES, Key.LAYER_NORM_EPS, Key.KDA_GATE_LOWER_BOUND, Key.Q_LORA_RANK,
+                 Key.LEADING_DENSE_BLOCK_COUNT, Key.EXPERT_LATENT_LENGTH, Key.EXPERT_WEIGHTS_NORM,
+                 Key.EXPERT_WEIGHTS_SCALE, Key.EXPERT_GROUP_USED_COUNT, Key.KEY_LENGTH, Key.VALUE_LENGTH)
+
+
+def check_lone_metadata(part: Part, gf: GGUFFile, cfg: KimiConfig) -> Part:
+    """The file's keys re-derived through KimiConfig must come back with llama.cpp's types and
+    consistent values (derived keys such as key_length are recomputed); optional keys may be absent."""
+    optional = {key(k, cfg.arch) for k in LONE_OPTIONAL}
+    expected = [kv for kv in cfg.gguf_metadata() if kv[0] in gf.fields or kv[0] not in optional]
+    return check_metadata(part, expected, gf, cfg.arch, cfg=cfg)
+
+
+# ------------------------------------------------------------------------------------
+# execution parts
+
+def _available_ram() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class _Runs:
+    """Forward passes, made once and shared by the parts that need them."""
+
+    def __init__(self, gguf: Path, hf_dir: Path | None, ids: list[int]):
+        self.gguf, self.hf_dir, self.ids = gguf, hf_dir, ids
+        self._cache: dict[Any, tuple[np.ndarray, dict]] = {}
+
+    def runtime(self, top_k: int | None = None, dense: bool = False) -> tuple[np.ndarray, dict]:
+        key = ("rt", top_k, dense)
+        if key not in self._cache:
+            from .runtime import Runtime
+            rt = Runtime(self.gguf, top_k=top_k)
+            need, avail = rt.estimate_ram_bytes(len(self.ids)), _available_ram()
+            if avail is not None and need > avail:
+                raise KimiError(f"the runtime needs about {need / 2**30:.1f} GiB, "
+                                f"{avail / 2**30:.1f} GiB are available")
+            if dense:       # the same runtime with the indexer bypassed: plain causal MLA
+                rt.cfg = replace(rt.cfg, indexer=None)
+            out = np.asarray(rt.logits(self.ids), np.float32)
+            self._cache[key] = (out, _margins_of(rt.routing_margins))
+        return self._cache[key]
+
+    def reference(self, top_k: int | None = None, dense: bool = False) -> tuple[np.ndarray, dict]:
+        key = ("ref", top_k, dense)
+        if key not in self._cache:
+            from .reference import ReferenceModel
+            ref = ReferenceModel(str(self.hf_dir), top_k_override=top_k, use_indexer=not dense)
+            out = ref.logits(self.ids).detach().numpy().astype(np.float32)
+            self._cache[key] = (out, _margins_of(ref.last_routing_margins))
+        return self._cache[key]
+
+
+def check_logits(part: Part, runs: _Runs, tol: Tolerance) -> Part:
+    run, m_run = runs.runtime()
+    ref, m_ref = runs.reference()
+    flags = routing_flags(tol.margin, ("runtime", m_run), ("reference", m_ref))
+    c = compare_logits(run, ref, tol, flags.positions)
+    for msg in _logit_failures(c, "runtime vs reference"):
+        part.fail(msg)
+    part.figures = c | {"flagged": flags.describe(), "margin_tol": tol.margin}
+    part.rows = [{"position": t, "max_abs_diff": float(np.abs(run[t] - ref[t]).max()),
+                  "kl": float(kl_div(ref[t:t + 1], run[t:t + 1])[0]),
+                  "argmax_run": int(run[t].argmax()), "argmax_ref": int(ref[t].argmax()),
+                  "judged": t not in flags.reasons, "flag": "; ".join(flags.reasons.get(t, []))}
+                 for t in range(len(ref))]
+    return part.finish(_fmt_logits(c))
+
+
+def check_perplexity(part: Part, runs: _Runs, tol: Tolerance) -> Part:
+    run, m_run = runs.runtime()
+    ref, m_ref = runs.reference()
+    flags = routing_flags(tol.margin, ("runtime", m_run), ("reference", m_ref))
+    judged = [t for t in range(len(runs.ids) - 1) if t not in flags.reasons]
+    p_run, p_ref = perplexity(run, runs.ids, judged), perplexity(ref, runs.ids, judged)
+    ratio = p_run / p_ref
+    scale = float(np.sqrt(np.mean(np.asarray(ref, np.float64) ** 2))) or 1.0
+    # |ln ratio| <= max_t |Δ log p_t| <= 2 max|Δ logit|: the logits bound carries over
+    bound = 2 * tol.atol(scale)
+    if not (math.isfinite(ratio) and abs(math.log(ratio)) <= bound):
+        part.fail(f"perplexity ratio {ratio:.6f}: |ln ratio| {abs(math.log(ratio)):.2e} > {bound:.2e}")
+    part.figures = {"runtime": p_run, "reference": p_ref, "ratio": ratio, "log_ratio_bound": bound,
+                    "positions": judged, "runtime_all": perplexity(run, runs.ids),
+                    "reference_all": perplexity(ref, runs.ids)}
+    return part.finish(f"runtime {p_run:.4f}, reference {p_ref:.4f}, ratio {ratio:.6f} "
+                       f"(|ln| bound {bound:.1e}) over {len(judged)} predictions")
+
+
+def check_forward(part: Part, runs: _Runs) -> Part:
+    run, m = runs.runtime()
+    finite = bool(np.isfinite(run).all())
+    if not finite:
+        bad = sorted({int(t) for t in np.nonzero(~np.isfinite(run))[0]})
+        part.fail(f"non-finite logits at positions {bad}")
+    part.figures = {"positions": len(run), "vocab": run.shape[1], "finite": finite,
+                    "max_abs_logit": float(np.nanmax(np.abs(run))) if run.size else 0.0,
+                    "argmax": [int(x) for x in run.argmax(-1)]}
+    return part.finish(f"{len(run)} positions x {run.shape[1]} logits, "
+                       + ("all finite" if finite else "NOT finite"))
+
+
+def check_k31(part: Part, runs: _Runs, cfg: KimiConfig, tol: Tolerance) -> Part:
+    if cfg.indexer is None:
+        part.ok, part.summary = None, f"not applicable ({cfg.arch} has no indexer)"
+        return part
+    T = len(runs.ids)
+    k_small = max(1, T // 4)
+    dense, _ = runs.runtime(dense=True)
+    rows = part.rows
+
+    def exact(a, b, what):
+        d = float(np.abs(a.astype(np.float64) - b).max())
+        ok = np.array_equal(a, b)
+        rows.append({"check": what, "ok": ok, "max_abs_diff": d})
+        if not ok:
+            part.fail(f"{what}: differs (max |diff| {d:.3e}), must be identical")
+        return d
+
+    # 1. top_k >= length is exactly dense attention (the edge top_k = T, and the file's own top_k)
+    eq, _ = runs.runtime(top_k=T)
+    exact(eq, dense, f"runtime top_k={T} (= length) vs runtime dense MLA")
+    if cfg.indexer.top_k >= T:
+        own, _ = runs.runtime()
+        exact(own, dense, f"runtime top_k={cfg.indexer.top_k} (file) vs runtime dense MLA")
+    # 2. top_k below the length: identical before position top_k, diverging after
+    small, m_small = runs.runtime(top_k=k_small)
+    exact(small[:k_small], dense[:k_small], f"runtime top_k={k_small}: positions 0..{k_small - 1} vs dense")
+    kl = kl_div(dense, small)
+    kl_after = kl[k_small:]
+    div = float(kl_after.max()) if kl_after.size else 0.0
+    diverges = div > tol.divergence_min
+    rows.append({"check": f"runtime top_k={k_small} diverges from dense at positions >= {k_small}",
+                 "ok": diverges, "kl_max": div, "kl_mean": float(kl_after.mean()) if kl_after.size else 0.0,
+                 "threshold": tol.divergence_min})
+    if not diverges:
+        part.fail(f"top_k={k_small} < length {T} does not diverge from dense attention "
+                  f"(max KL {div:.2e} <= {tol.divergence_min:.0e}): the indexer selects nothing")
+    figures = {"length": T, "top_k_small": k_small, "file_top_k": cfg.indexer.top_k,
+               "divergence_kl_max": div, "divergence_kl_mean": float(kl_after.mean()) if kl_after.size else 0.0,
+               "divergence_kl_by_position": [float(x) for x in kl]}
+    # 3. against the reference
+    if runs.hf_dir is not None:
+        ref_dense, m_rd = runs.reference(dense=True)
+        ref_eq, _ = runs.reference(top_k=T)
+        exact(ref_eq, ref_dense, f"reference top_k={T} vs reference dense MLA")
+        c = compare_logits(eq, ref_dense, tol, routing_flags(tol.margin, ("runtime", _margins_of(
+            runs.runtime(top_k=T)[1])), ("reference", m_rd)).positions)
+        rows.append({"check": f"runtime top_k={T} vs reference dense", "ok": c["ok"], **_brief(c)})
+        for msg in _logit_failures(c, f"runtime top_k={T} vs reference dense"):
+            part.fail(msg)
+        ref_small, m_rs = runs.reference(top_k=k_small)
+        flags = routing_flags(tol.margin, ("runtime", m_small), ("reference", m_rs))
+        c = compare_logits(small, ref_small, tol, flags.positions)
+        rows.append({"check": f"runtime top_k={k_small} vs reference top_k={k_small}", "ok": c["ok"],
+                     **_brief(c), "flagged": flags.describe()})
+        for msg in _logit_failures(c, f"top_k={k_small} runtime vs reference"):
+            part.fail(msg)
+        ref_kl = kl_div(ref_dense, ref_small)[k_small:]
+        figures["reference_divergence_kl_max"] = float(ref_kl.max()) if ref_kl.size else 0.0
+        figures["sparse_flagged"] = flags.describe()
+    part.figures = figures
+    return part.finish(f"top_k>={T} == dense exactly; top_k={k_small} diverges (KL max {div:.2e}, "
+                       f"threshold {tol.divergence_min:.0e})"
+                       + (", and matches the reference" if runs.hf_dir is not None else ""))
+
+
+def _brief(c: dict) -> dict:
+    return {k: c[k] for k in ("max_abs_diff", "atol", "kl_max", "argmax_agree", "judged", "excluded")}
+
+
+# ------------------------------------------------------------------------------------
+# entry point
+
+def verify(gguf_path: Path, hf_dir: Path | None = None, *, length: int = SEQ_LEN, seed: int = SEED,
+           log: Callable[[str], None] = lambda s: None) -> Report:
+    """Check `gguf_path` (any part of a split file) against `hf_dir`, or on its own."""
+    gguf_path = Path(gguf_path)
+    if not gguf_path.exists():
+        raise KimiError(f"{gguf_path}: not found")
+    if length < 2:
+        raise KimiError(f"--length {length}: need at least 2 tokens")
+    plan = cfg_hf = None
+    if hf_dir is not None:
+        from .convert import build_plan
+        plan = build_plan(Path(hf_dir), "f32")         # a bad checkpoint is the user's error: raises
+        cfg_hf = plan.config
+    parts: list[Part] = []
+    structure = _run(Part("structure", "structure"), lambda p: check_structure(p, gguf_path))
+    parts.append(structure)
+    try:
+        gf = open_gguf(gguf_path)
+    except KimiError as e:
+        structure.fail(str(e))
+        structure.ok = False
+        return Report(str(gguf_path), str(hf_dir) if hf_dir else None, [], {}, parts)
+
+    tol = TOLERANCES[file_class(gf)]
+    ids: list[int] = []
+    try:
+        extra = tuple(cfg_hf.extra.values()) if cfg_hf is not None else ()
+        ids = token_sequence(gf, length, seed, extra)
+    except Exception as e:                              # noqa: BLE001
+        structure.fail(f"no token sequence: {e}")
+        structure.ok = False
+    runs = _Runs(gguf_path, Path(hf_dir) if hf_dir else None, ids)
+
+    def needs_ids(fn):
+        def body(p: Part):
+            if not ids:
+                raise KimiError("no token sequence (see structure)")
+            return fn(p)
+        return body
+
+    if plan is not None:
+        log("comparing tensors")
+        parts.append(_run(Part("tensors", "tensors vs checkpoint"), lambda p: check_tensors(p, plan, gf, log)))
+        parts.append(_run(Part("metadata", "metadata vs config.json"),
+                          lambda p: check_metadata(p, cfg_hf.gguf_metadata(), gf, cfg_hf.arch, cfg=cfg_hf)))
+        log("running runtime and reference")
+        parts.append(_run(Part("logits", "logits: runtime vs reference"),
+                          needs_ids(lambda p: check_logits(p, runs, tol))))
+        parts.append(_run(Part("k31", "K3.1 indexer"), needs_ids(lambda p: check_k31(p, runs, cfg_hf, tol))))
+        parts.append(_run(Part("perplexity", "perplexity"), needs_ids(lambda p: check_perplexity(p, runs, tol))))
+    else:
+        cfg: KimiConfig | None = None
+        meta = Part("metadata", "metadata (keys and types)")
+        try:
+            cfg = KimiConfig.from_gguf(gf.fields)
+        except KimiError as e:
+            meta.fail(str(e))
+            meta.ok, meta.summary = False, "the architecture cannot be read from the metadata"
+        if cfg is not None:
+            meta = _run(meta, lambda p: check_lone_metadata(p, gf, cfg))
+        parts.append(meta)
+        if cfg is not None:
+            log("reading every tensor")
+            parts.append(_run(Part("tensors", "tensors the architecture implies"),
+                              lambda p: check_lone_tensors(p, gf, cfg, log)))
+            log("running the runtime")
+            parts.append(_run(Part("forward", "forward pass"), needs_ids(lambda p: check_forward(p, runs))))
+            parts.append(_run(Part("k31", "K3.1 indexer (runtime only)"),
+                              needs_ids(lambda p: check_k31(p, runs, cfg, tol))))
+    return Report(str(gguf_path), str(hf_dir) if hf_dir else None, ids, asdict(tol), parts)

@@ -1,0 +1,150 @@
+"""kimi-verify: slice a checkpoint, and prove a GGUF by reading and executing it.
+
+  kimi-verify slice HF_DIR OUT_DIR --layers 8          (or --layers 0-3,91-92)
+  kimi-verify check HF_DIR FILE.gguf [--json report.json]
+  kimi-verify check FILE.gguf                          (no checkpoint: the file on its own)
+
+`check` exits 0 only if every part passes; docs/verification.md explains each part and
+its tolerances.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .cli import fail, human
+from .errors import KimiError
+
+app = typer.Typer(add_completion=False, help=__doc__, no_args_is_help=True)
+out = Console()                       # the report (stdout)
+err = Console(stderr=True)            # progress and errors
+SHOW_FAILURES = 20
+
+
+# --------------------------------------------------------------------------------------
+# slice
+
+@app.command("slice")
+def slice_cmd(
+    hf_dir: Path = typer.Argument(..., help="full Kimi-K3 / K3.1-Pro checkpoint folder"),
+    out_dir: Path = typer.Argument(..., help="folder for the sliced checkpoint"),
+    layers: str = typer.Option("8", "--layers", help="a count (default selection keeps every layer kind) "
+                               "or 0-based layers and ranges, e.g. 0-3,91-92"),
+    force: bool = typer.Option(False, "--force", help="overwrite a non-empty OUT_DIR"),
+):
+    """Write a real N-layer checkpoint from a full one, streamed by byte ranges."""
+    from .convert import peak_rss
+    from .slice import slice_checkpoint
+    try:
+        r = slice_checkpoint(hf_dir, out_dir, layers, force=force)
+    except KimiError as e:
+        fail(e)
+    c = r.config
+    t = Table(title=f"{c.arch} slice: {len(r.layers)} layers -> {out_dir}")
+    for col in ("layer", "from", "attention", "ffn"):
+        t.add_column(col, justify="right" if col in ("layer", "from") else "left")
+    for k, il in enumerate(r.layers):
+        att = "MLA+DSA" if c.has_indexer(k) else "MLA" if c.is_mla(k) else "KDA"
+        t.add_row(str(k), str(il), att, "MoE" if c.is_moe(k) else "dense")
+    out.print(t)
+    out.print(f"{r.n_tensors} tensors, {human(r.n_bytes)} in {len(r.shards)} shards "
+              f"({r.shards[0]} ... {r.shards[-1]}); full_attn_layers {[i + 1 for i in c.full_attn_layers]}, "
+              f"first_k_dense_replace {c.n_dense_layers}; dropped {r.dropped} vision/projector tensors; "
+              f"copied {', '.join(r.copied_files) or 'no other files'}; peak RSS {human(peak_rss())}",
+              highlight=False)
+
+
+# --------------------------------------------------------------------------------------
+# check
+
+@app.command("check")
+def check_cmd(
+    paths: List[Path] = typer.Argument(..., help="[HF_DIR] FILE.gguf (any part of a split file)"),
+    json_file: Optional[Path] = typer.Option(None, "--json", help="also write the full report as JSON"),
+    length: int = typer.Option(32, "--length", help="tokens in the test sequence"),
+    seed: int = typer.Option(0, "--seed", help="seed of the test sequence"),
+):
+    """Check FILE.gguf against HF_DIR (tensors, metadata, logits, K3.1 indexer, perplexity),
+    or on its own (structure, tensors, metadata, forward pass)."""
+    from .verify import verify
+    try:
+        hf_dir, gguf = _split_args(paths)
+        report = verify(gguf, hf_dir, length=length, seed=seed,
+                        log=lambda s: err.print(f"[dim]{s}[/]", highlight=False))
+    except KimiError as e:
+        fail(e)
+    print_report(report)
+    if json_file is not None:
+        try:
+            json_file.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+        except OSError as e:
+            fail(KimiError(f"{json_file}: cannot write the report ({e.strerror or e})"))
+    raise typer.Exit(0 if report.ok else 1)
+
+
+def _split_args(paths: List[Path]) -> tuple[Optional[Path], Path]:
+    if len(paths) == 1:
+        if paths[0].is_dir():
+            raise KimiError(f"{paths[0]}: is a folder; give a GGUF file (and the checkpoint folder before it)")
+        return None, paths[0]
+    if len(paths) == 2:
+        a, b = paths
+        hf, gguf = (a, b) if a.is_dir() or not b.is_dir() else (b, a)
+        if not hf.is_dir():
+            raise KimiError(f"{hf}: not a checkpoint folder")
+        return hf, gguf
+    raise KimiError("check takes FILE.gguf, or HF_DIR FILE.gguf")
+
+
+def print_report(report) -> None:
+    title = f"kimi-verify {Path(report.gguf).name}" + (f" against {report.hf_dir}" if report.hf_dir else "")
+    t = Table(title=title)
+    t.add_column("part")
+    t.add_column("result")
+    t.add_column("figures", overflow="fold")
+    for p in report.parts:
+        result = "[green]PASS" if p.ok else "[red]FAIL" if p.ok is False else "[dim]n/a"
+        t.add_row(p.title, result, p.summary)
+    out.print(t)
+    tol = report.tolerance
+    if tol:
+        out.print(f"tolerance class {tol['file_class']}: logits max|Δ| <= {tol['logits_rtol']:g} x RMS(reference "
+                  f"logits), KL <= {tol['kl_max']:g}, routing margins < {tol['margin']:g} flagged; "
+                  f"{len(report.tokens)} tokens", highlight=False)
+    for p in report.parts:
+        if p.key == "k31" and p.rows:
+            k = Table(title="K3.1 indexer")
+            for col in ("check", "result", "figures"):
+                k.add_column(col, overflow="fold")
+            for r in p.rows:
+                figs = ", ".join(f"{n} {_num(v)}" for n, v in r.items() if n not in ("check", "ok", "flagged"))
+                k.add_row(r["check"], "[green]ok" if r["ok"] else "[red]FAIL", figs)
+            out.print(k)
+        flagged = p.figures.get("flagged") if isinstance(p.figures, dict) else None
+        if flagged:
+            out.print(f"[yellow]{p.title}: {len(flagged)} position(s) with a near-tie routing choice, "
+                      f"listed and not judged:[/]")
+            for line in flagged:
+                out.print(f"  {line}", highlight=False)
+        if p.failures:
+            out.print(f"[red]{p.title}: {len(p.failures)} failure(s)[/]")
+            for line in p.failures[:SHOW_FAILURES]:
+                out.print(f"  {line}", highlight=False, soft_wrap=True)
+            if len(p.failures) > SHOW_FAILURES:
+                out.print(f"  ... and {len(p.failures) - SHOW_FAILURES} more (see --json)")
+    out.print("[bold green]PASS" if report.ok else "[bold red]FAIL")
+
+
+def _num(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    return str(v)
+
+
+def main() -> None:
+    app(prog_name="kimi-verify")
