@@ -125,7 +125,7 @@ class GGUFStreamWriter:
         m.write_kv_data_to_file()
         m.write_ti_data_to_file()
         temps = [Path(f.name) for f in m.fout]
-        with _SourceFiles() as sources:
+        with SourceFiles() as sources:
             for fout, part in zip(m.fout, files):
                 _pad(fout, m.data_alignment)
                 for t in part:
@@ -148,7 +148,7 @@ def _pad(fout, align: int) -> None:
         fout.write(b"\0" * (align - pos % align))
 
 
-class _SourceFiles:
+class SourceFiles:
     """Open source files once each, for FileRange copies."""
 
     def __init__(self):
@@ -167,16 +167,16 @@ class _SourceFiles:
             os.close(fd)
 
 
-def _write_chunk(fout, chunk: Chunk, sources: _SourceFiles) -> int:
+def _write_chunk(fout, chunk: Chunk, sources: SourceFiles) -> int:
     if isinstance(chunk, FileRange):
-        return _copy_range(fout, chunk, sources.fd(chunk.path))
+        return copy_range(fout, chunk, sources.fd(chunk.path))
     if isinstance(chunk, np.ndarray):
         chunk = memoryview(np.ascontiguousarray(chunk)).cast("B")
     fout.write(chunk)
     return len(chunk)
 
 
-def _copy_range(fout, r: FileRange, src: int) -> int:
+def copy_range(fout, r: FileRange, src: int) -> int:
     """Copy r.length bytes at r.offset into fout's current position."""
     fout.flush()
     dst = fout.fileno()

@@ -18,7 +18,7 @@ from .constants import (ARCH_K31, EXPERT_GATING_SIGMOID, HF_ARCHITECTURES, Key, 
 from .errors import ConfigError
 
 # dsa_config spellings accepted for each field (k31-indexer.md: "decided")
-_DSA_ALIASES = {
+DSA_ALIASES = {
     "n_head": ("index_n_heads", "num_heads", "n_heads", "head_count"),
     "head_dim": ("index_head_dim", "head_dim", "key_length"),
     "top_k": ("index_topk", "topk", "top_k"),
@@ -230,7 +230,7 @@ def _layer_list(source: str, one_based: Any, n_layer: int, what: str) -> list[in
 
 
 def _pick(source: str, where: dict, field_name: str, ctx: str):
-    for alias in _DSA_ALIASES[field_name]:
+    for alias in DSA_ALIASES[field_name]:
         if alias in where:
             return where[alias]
     return None
@@ -242,10 +242,10 @@ def _parse_indexer(source, tc, lac, full, n_layer, rms_eps) -> IndexerConfig:
         dsa = {k: tc[k] for k in ("index_n_heads", "index_head_dim", "index_topk") if k in tc}
         if not dsa:
             raise ConfigError(f"{source}: KimiK31 checkpoint has no text_config.dsa_config")
-    values = {f: _pick(source, dsa, f, "dsa_config") for f in _DSA_ALIASES}
+    values = {f: _pick(source, dsa, f, "dsa_config") for f in DSA_ALIASES}
     for f in ("n_head", "head_dim", "top_k"):
         if not isinstance(values[f], int) or values[f] <= 0:
-            raise ConfigError(f"{source}: dsa_config needs a positive {'|'.join(_DSA_ALIASES[f])} "
+            raise ConfigError(f"{source}: dsa_config needs a positive {'|'.join(DSA_ALIASES[f])} "
                               f"(got {values[f]!r})")
     if values["layers"] is not None:
         dsa_layers = _layer_list(source, values["layers"], n_layer, "dsa_config layer list")

@@ -29,8 +29,8 @@ from pathlib import Path
 
 from .checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint, SourceTensor
 from .errors import ConfigError, KimiError, OutputError
-from .gguf_io import FileRange, _copy_range, _SourceFiles
-from .model import _DSA_ALIASES, KimiConfig
+from .gguf_io import FileRange, copy_range, SourceFiles
+from .model import DSA_ALIASES, KimiConfig
 from .tensor_map import sanitize
 
 _LAYER_RE = re.compile(r"^(?P<pre>(?:language_model\.)?(?:model\.)?layers\.)(?P<il>\d+)(?P<post>\..+)$")
@@ -125,7 +125,7 @@ def slice_config(raw: dict, cfg: KimiConfig, layers: list[int]) -> dict:
         tc["first_k_dense_replace"] = n_dense
     for where in (tc.get("dsa_config"), new.get("dsa_config")):
         if isinstance(where, dict):
-            for alias in _DSA_ALIASES["layers"]:
+            for alias in DSA_ALIASES["layers"]:
                 if alias in where:
                     where[alias] = list(full)
     if cfg.indexer is not None and not full:
@@ -154,12 +154,12 @@ def _header(tensors: list[tuple[str, SourceTensor]]) -> tuple[bytes, list[tuple[
     return struct.pack("<Q", len(blob)) + blob, order
 
 
-def _write_shard(path: Path, tensors: list[tuple[str, SourceTensor]], sources: _SourceFiles) -> int:
+def _write_shard(path: Path, tensors: list[tuple[str, SourceTensor]], sources: SourceFiles) -> int:
     head, order = _header(tensors)
     with open(path, "wb") as f:
         f.write(head)
         for _, t in order:
-            _copy_range(f, FileRange(t.path, t.offset, t.nbytes), sources.fd(t.path))
+            copy_range(f, FileRange(t.path, t.offset, t.nbytes), sources.fd(t.path))
         f.flush()
         os.fsync(f.fileno())
     return sum(t.nbytes for _, t in order)
@@ -211,7 +211,7 @@ def slice_checkpoint(hf_dir: Path, out_dir: Path, layers: str | list[int], *,
     tmp.mkdir(parents=True)
     try:
         weight_map, total, shards = {}, 0, []
-        with _SourceFiles() as sources:
+        with SourceFiles() as sources:
             for k, group in enumerate(groups, start=1):
                 fname = shard_name(k, n_shards)
                 total += _write_shard(tmp / fname, group, sources)

@@ -37,7 +37,7 @@ from gguf.quants import dequantize
 
 from . import mxfp4
 from .checkpoint import NUMPY_DTYPE, Checkpoint, SourceTensor, bf16_to_f32, f32_to_bf16, to_f32
-from .constants import INDEXER_MATRIX_TYPES, Key, key, tname
+from .constants import INDEXER_MATRIX_TYPES, Key, T, key, tname
 from .errors import KimiError
 from .gguf_io import GGUFFile, GGUFTensor, gguf_parts, open_gguf, tensor_nbytes
 from .model import KimiConfig
@@ -72,23 +72,38 @@ FLOAT_TYPES = (QT.F32, QT.F16, QT.BF16)
 @dataclass(frozen=True)
 class Tolerance:
     file_class: str
-    logits_rtol: float      # max |logit diff| <= logits_rtol * RMS(reference logits)
-    kl_max: float           # per position, KL(reference || runtime), nats
-    margin: float           # routing margins below this are near-ties: flagged, not judged
-
-    def atol(self, scale: float) -> float:
-        return self.logits_rtol * scale
+    logits_rtol: float | None   # per position: max |logit diff| <= logits_rtol * RMS(reference logits);
+                                # None: judged in aggregate only (quantized files)
+    kl_max: float               # KL(reference || runtime), nats: per position, or the mean if aggregate
+    margin: float               # routing margins below this are near-ties: listed (and, per position,
+                                # not judged)
+    argmax_min: float = 1.0     # fraction of judged positions whose argmax must agree (near ties aside)
+    ppl_log_max: float | None = None    # bound on |ln(ppl_runtime / ppl_reference)|; None: 2 * atol
 
     @property
-    def divergence_min(self) -> float:
-        """A forced top_k must move some position's KL this far above the agreement bound."""
-        return 10 * self.kl_max
+    def per_position(self) -> bool:
+        return self.logits_rtol is not None
 
+    def atol(self, scale: float) -> float:
+        return (self.logits_rtol or 0.0) * scale
+
+    def ppl_bound(self, scale: float) -> float:
+        # |ln ratio| <= max_t |Δ log p_t| <= 2 max|Δ logit|: the logits bound carries over
+        return self.ppl_log_max if self.ppl_log_max is not None else 2 * self.atol(scale)
+
+
+# Forcing top_k below the length is compared with the same runtime's dense result, which
+# top_k >= length reproduces bit for bit: there is no noise to rise above, so any KL above
+# this (far below the 0.1-1 nats a real selection produces) shows that the indexer bites.
+DIVERGENCE_MIN = 1e-4
 
 TOLERANCES = {
     "f32": Tolerance("f32", logits_rtol=1e-3, kl_max=1e-6, margin=1e-4),
     "bf16": Tolerance("bf16", logits_rtol=2e-2, kl_max=1e-3, margin=1e-3),
-    "quantized": Tolerance("quantized", logits_rtol=1e-1, kl_max=2e-2, margin=1e-2),
+    # provisional (the quantizer is a later issue): aggregate criteria as for llama.cpp's
+    # KL-divergence reports, meaningful on trained checkpoints only (docs/verification.md)
+    "quantized": Tolerance("quantized", logits_rtol=None, kl_max=5e-2, margin=1e-2, argmax_min=0.9,
+                           ppl_log_max=5e-2),
 }
 
 
@@ -186,7 +201,7 @@ def token_sequence(gf: GGUFFile, length: int = SEQ_LEN, seed: int = SEED,
                    extra_special: tuple[int | None, ...] = ()) -> list[int]:
     """`length` ids drawn with a fixed seed among the NORMAL tokens (no control, unused or
     configured special id), below the embedding's row count."""
-    n_rows = gf.tensors["token_embd.weight"].shape[0] if "token_embd.weight" in gf.tensors else 0
+    n_rows = gf.tensors[T.TOKEN_EMBD].shape[0] if T.TOKEN_EMBD in gf.tensors else 0
     types = gf.fields.get("tokenizer.ggml.token_type")
     if types:
         ok = np.array([i for i, t in enumerate(types[:n_rows]) if t == 1], dtype=np.int64)
@@ -269,7 +284,12 @@ def _margins_of(obj) -> dict:
 
 
 def compare_logits(run: np.ndarray, ref: np.ndarray, tol: Tolerance, exclude: list[int]) -> dict[str, Any]:
-    """Figures and verdict of runtime logits vs reference logits (positions in `exclude` not judged)."""
+    """Figures and verdict of runtime logits vs reference logits.
+
+    Per position (F32/BF16 files): every position not in `exclude` must be within the max |diff|
+    and KL bounds and agree on the argmax (unless the reference's top two are a near tie).
+    In aggregate (quantized files): mean KL and the argmax agreement rate over all positions.
+    """
     run, ref = np.asarray(run, np.float64), np.asarray(ref, np.float64)
     T = len(ref)
     scale = float(np.sqrt(np.mean(ref ** 2))) or 1.0
@@ -279,16 +299,25 @@ def compare_logits(run: np.ndarray, ref: np.ndarray, tol: Tolerance, exclude: li
     top2 = np.sort(ref, axis=-1)[:, -2:] if ref.shape[-1] > 1 else np.zeros((T, 2))
     near_tie = (top2[:, 1] - top2[:, 0]) < 2 * atol
     agree = run.argmax(-1) == ref.argmax(-1)
-    judged = [t for t in range(T) if t not in set(exclude)]
+    excluded = sorted(set(exclude)) if tol.per_position else []
+    judged = [t for t in range(T) if t not in set(excluded)]
     j = np.array(judged, dtype=np.int64)
-    bad_diff = [t for t in judged if diff[t] > atol]
-    bad_kl = [t for t in judged if kl[t] > tol.kl_max]
-    bad_arg = [t for t in judged if not agree[t] and not near_tie[t]]
+    finite = bool(np.isfinite(run).all())
     enough = len(judged) >= max(1, math.ceil(MIN_JUDGED_FRACTION * T))
+    bad_diff = bad_kl = bad_arg = []
+    if tol.per_position:
+        bad_diff = [t for t in judged if not diff[t] <= atol]
+        bad_kl = [t for t in judged if not kl[t] <= tol.kl_max]
+        bad_arg = [t for t in judged if not agree[t] and not near_tie[t]]
+        kl_ok = not bad_kl
+        agree_ok = not bad_arg
+    else:
+        kl_ok = bool(kl.mean() <= tol.kl_max)
+        agree_ok = bool(agree.mean() >= tol.argmax_min)
     return {
-        "ok": not (bad_diff or bad_kl or bad_arg) and enough and bool(np.isfinite(run).all()),
-        "finite": bool(np.isfinite(run).all()),
-        "positions": T, "judged": len(judged), "excluded": sorted(set(exclude)), "enough_judged": enough,
+        "ok": not bad_diff and kl_ok and agree_ok and enough and finite,
+        "mode": "per position" if tol.per_position else "aggregate",
+        "finite": finite, "positions": T, "judged": len(judged), "excluded": excluded, "enough_judged": enough,
         "logit_scale_rms": scale, "atol": atol,
         "max_abs_diff": float(diff[j].max()) if len(j) else float("nan"),
         "max_abs_diff_all": float(diff.max()),
@@ -296,7 +325,7 @@ def compare_logits(run: np.ndarray, ref: np.ndarray, tol: Tolerance, exclude: li
         "argmax_near_ties": [t for t in judged if near_tie[t] and not agree[t]],
         "kl_max": float(kl[j].max()) if len(j) else float("nan"),
         "kl_mean": float(kl[j].mean()) if len(j) else float("nan"),
-        "kl_tol": tol.kl_max,
+        "kl_tol": tol.kl_max, "kl_ok": kl_ok, "argmax_ok": agree_ok, "argmax_min": tol.argmax_min,
         "bad_diff": bad_diff, "bad_kl": bad_kl, "bad_argmax": bad_arg,
     }
 
@@ -311,12 +340,21 @@ def _logit_failures(c: dict, what: str) -> list[str]:
         out.append(f"{what}: KL > {c['kl_tol']:.0e} at positions {c['bad_kl']}")
     if c["bad_argmax"]:
         out.append(f"{what}: argmax differs at positions {c['bad_argmax']}")
+    if c["mode"] == "aggregate":
+        if not c["kl_ok"]:
+            out.append(f"{what}: mean KL {c['kl_mean']:.2e} > {c['kl_tol']:.0e}")
+        if not c["argmax_ok"]:
+            out.append(f"{what}: argmax agrees at {c['argmax_agree']}/{c['judged']} positions, "
+                       f"fewer than {c['argmax_min']:.0%}")
     if not c["enough_judged"]:
         out.append(f"{what}: only {c['judged']}/{c['positions']} positions left after excluding near-ties")
     return out
 
 
 def _fmt_logits(c: dict) -> str:
+    if c["mode"] == "aggregate":
+        return (f"mean KL {c['kl_mean']:.1e} (tol {c['kl_tol']:.0e}), argmax {c['argmax_agree']}/{c['judged']} "
+                f"(min {c['argmax_min']:.0%}), max|Δ| {c['max_abs_diff']:.2e} (not bounded)")
     return (f"max|Δ| {c['max_abs_diff']:.2e} (tol {c['atol']:.2e}), argmax {c['argmax_agree']}/{c['judged']}, "
             f"KL max {c['kl_max']:.1e} (tol {c['kl_tol']:.0e})"
             + (f", excluded {c['excluded']}" if c["excluded"] else ""))
@@ -624,7 +662,7 @@ def check_metadata(part: Part, expected: list, gf: GGUFFile, arch: str, *, cfg: 
     vocab_ok = n_tok == cfg.n_vocab
     if not vocab_ok:
         part.fail(f"tokenizer.ggml.tokens: {n_tok} tokens, config vocab_size is {cfg.n_vocab}")
-    for k in ("token_embd.weight", "output.weight"):
+    for k in (T.TOKEN_EMBD, T.OUTPUT):
         t = gf.tensors.get(k)
         if t is not None and t.shape[0] != cfg.n_vocab:
             part.fail(f"{k}: {t.shape[0]} rows, vocab_size is {cfg.n_vocab}")
@@ -788,12 +826,11 @@ def check_perplexity(part: Part, runs: _Runs, tol: Tolerance) -> Part:
     run, m_run = runs.runtime()
     ref, m_ref = runs.reference()
     flags = routing_flags(tol.margin, ("runtime", m_run), ("reference", m_ref))
-    judged = [t for t in range(len(runs.ids) - 1) if t not in flags.reasons]
+    judged = [t for t in range(len(runs.ids) - 1) if not (tol.per_position and t in flags.reasons)]
     p_run, p_ref = perplexity(run, runs.ids, judged), perplexity(ref, runs.ids, judged)
     ratio = p_run / p_ref
     scale = float(np.sqrt(np.mean(np.asarray(ref, np.float64) ** 2))) or 1.0
-    # |ln ratio| <= max_t |Δ log p_t| <= 2 max|Δ logit|: the logits bound carries over
-    bound = 2 * tol.atol(scale)
+    bound = tol.ppl_bound(scale)
     if not (math.isfinite(ratio) and abs(math.log(ratio)) <= bound):
         part.fail(f"perplexity ratio {ratio:.6f}: |ln ratio| {abs(math.log(ratio)):.2e} > {bound:.2e}")
     part.figures = {"runtime": p_run, "reference": p_ref, "ratio": ratio, "log_ratio_bound": bound,
@@ -810,7 +847,7 @@ def check_forward(part: Part, runs: _Runs) -> Part:
         bad = sorted({int(t) for t in np.nonzero(~np.isfinite(run))[0]})
         part.fail(f"non-finite logits at positions {bad}")
     part.figures = {"positions": len(run), "vocab": run.shape[1], "finite": finite,
-                    "max_abs_logit": float(np.nanmax(np.abs(run))) if run.size else 0.0,
+                    "max_abs_logit": float(np.abs(run[np.isfinite(run)]).max()) if np.isfinite(run).any() else None,
                     "argmax": [int(x) for x in run.argmax(-1)]}
     return part.finish(f"{len(run)} positions x {run.shape[1]} logits, "
                        + ("all finite" if finite else "NOT finite"))
@@ -845,13 +882,13 @@ def check_k31(part: Part, runs: _Runs, cfg: KimiConfig, tol: Tolerance) -> Part:
     kl = kl_div(dense, small)
     kl_after = kl[k_small:]
     div = float(kl_after.max()) if kl_after.size else 0.0
-    diverges = div > tol.divergence_min
+    diverges = div > DIVERGENCE_MIN
     rows.append({"check": f"runtime top_k={k_small} diverges from dense at positions >= {k_small}",
                  "ok": diverges, "kl_max": div, "kl_mean": float(kl_after.mean()) if kl_after.size else 0.0,
-                 "threshold": tol.divergence_min})
+                 "threshold": DIVERGENCE_MIN})
     if not diverges:
         part.fail(f"top_k={k_small} < length {T} does not diverge from dense attention "
-                  f"(max KL {div:.2e} <= {tol.divergence_min:.0e}): the indexer selects nothing")
+                  f"(max KL {div:.2e} <= {DIVERGENCE_MIN:.0e}): the indexer selects nothing")
     figures = {"length": T, "top_k_small": k_small, "file_top_k": cfg.indexer.top_k,
                "divergence_kl_max": div, "divergence_kl_mean": float(kl_after.mean()) if kl_after.size else 0.0,
                "divergence_kl_by_position": [float(x) for x in kl]}
@@ -877,7 +914,7 @@ def check_k31(part: Part, runs: _Runs, cfg: KimiConfig, tol: Tolerance) -> Part:
         figures["sparse_flagged"] = flags.describe()
     part.figures = figures
     return part.finish(f"top_k>={T} == dense exactly; top_k={k_small} diverges (KL max {div:.2e}, "
-                       f"threshold {tol.divergence_min:.0e})"
+                       f"threshold {DIVERGENCE_MIN:.0e})"
                        + (", and matches the reference" if runs.hf_dir is not None else ""))
 
 

@@ -113,9 +113,13 @@ def print_report(report) -> None:
     out.print(t)
     tol = report.tolerance
     if tol:
-        out.print(f"tolerance class {tol['file_class']}: logits max|Δ| <= {tol['logits_rtol']:g} x RMS(reference "
-                  f"logits), KL <= {tol['kl_max']:g}, routing margins < {tol['margin']:g} flagged; "
-                  f"{len(report.tokens)} tokens", highlight=False)
+        if tol["logits_rtol"] is not None:
+            rule = (f"per position: max|Δ| <= {tol['logits_rtol']:g} x RMS(reference logits), "
+                    f"KL <= {tol['kl_max']:g}, same argmax")
+        else:
+            rule = f"in aggregate: mean KL <= {tol['kl_max']:g}, argmax agreement >= {tol['argmax_min']:.0%}"
+        out.print(f"tolerance class {tol['file_class']}, {rule}; routing margins < {tol['margin']:g} flagged; "
+                  f"{len(report.tokens)} tokens (seed-fixed)", highlight=False)
     for p in report.parts:
         if p.key == "k31" and p.rows:
             k = Table(title="K3.1 indexer")
@@ -127,8 +131,8 @@ def print_report(report) -> None:
             out.print(k)
         flagged = p.figures.get("flagged") if isinstance(p.figures, dict) else None
         if flagged:
-            out.print(f"[yellow]{p.title}: {len(flagged)} position(s) with a near-tie routing choice, "
-                      f"listed and not judged:[/]")
+            how = "listed and not judged" if p.figures.get("excluded") else "listed (judged in aggregate)"
+            out.print(f"[yellow]{p.title}: {len(flagged)} position(s) with a near-tie routing choice, {how}:[/]")
             for line in flagged:
                 out.print(f"  {line}", highlight=False)
         if p.failures:

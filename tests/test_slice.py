@@ -61,7 +61,7 @@ def test_shards_index_and_bytes(sliced, k31_dir):
     assert shards == [f"model-{k:05d}-of-000005.safetensors" for k in range(1, 6)]
     assert sorted(set(index["weight_map"].values())) == shards
     ckpt = Checkpoint(d)                      # index and headers agree, nothing truncated
-    torch = pytest.importorskip("torch")
+    import torch
     for shard in shards:                      # and the safetensors library itself reads them
         with safe_open(str(d / shard), "pt") as f:
             assert all(isinstance(f.get_tensor(n), torch.Tensor) for n in f.keys())
