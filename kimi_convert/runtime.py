@@ -21,8 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from gguf.quants import dequantize
+from gguf import GGMLQuantizationType as QT
+from gguf.quants import dequantize, quantize
 
+from .checkpoint import bf16_to_f32, f32_to_bf16
 from .constants import T, tname
 from .errors import CheckpointError
 from .gguf_io import GGUFFile, open_gguf
@@ -88,9 +90,15 @@ class Weights:
     the array after use, so peak RAM is the largest tensor in use, not the layer.
     """
 
-    def __init__(self, gf: GGUFFile, il: int | None = None, loaded: set | None = None):
+    def __init__(self, gf: GGUFFile, il: int | None = None, loaded: set | None = None,
+                 llama_cpp_rounding: bool = False):
         self.gf, self.il = gf, il
         self.loaded_experts = loaded if loaded is not None else set()
+        self.llama_cpp_rounding = llama_cpp_rounding
+
+    def input_for(self, template: str, x: np.ndarray) -> np.ndarray:
+        """x as ggml's mul_mat sees it against this weight (unchanged unless emulating llama.cpp)."""
+        return ggml_vec_dot_input(x, self.tensor(template).qtype) if self.llama_cpp_rounding else x
 
     def name(self, template: str) -> str:
         return tname(template, self.il)
@@ -129,7 +137,39 @@ def _outer_slices(t) -> np.ndarray:
 
 def linear(w: Weights, template: str, x: np.ndarray) -> np.ndarray:
     """ggml_mul_mat(W, x): y = W_np @ x, for every row of x."""
-    return x @ w(template).T
+    return w.input_for(template, x) @ w(template).T
+
+
+# ggml's CPU mul_mat first converts the f32 activation to the weight type's "vec_dot type"
+# (ggml-cpu.c type_traits): f32 stays f32, bf16/f16 weights see bf16/f16 activations, the
+# 32-blocks (Q4_0..Q8_0, MXFP4, IQ4_NL) see Q8_0 and the K-/IQ-quants see Q8_K. Emulating it
+# is what lets a non-F32 file be compared with llama.cpp position by position.
+_Q8_0_DOT = {QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.MXFP4, QT.IQ4_NL}
+_Q8_K_DOT = {QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_XS, QT.IQ2_XXS, QT.IQ2_XS,
+             QT.IQ2_S, QT.IQ3_XXS, QT.IQ3_S, QT.IQ1_S, QT.IQ1_M}
+
+
+def ggml_vec_dot_input(x: np.ndarray, weight_type: QT) -> np.ndarray:
+    if weight_type == QT.BF16:
+        return bf16_to_f32(f32_to_bf16(x)).reshape(x.shape)
+    if weight_type == QT.F16:
+        return x.astype(np.float16).astype(F32)
+    if weight_type in _Q8_0_DOT:
+        return np.asarray(dequantize(quantize(np.ascontiguousarray(x, F32), QT.Q8_0), QT.Q8_0), F32).reshape(x.shape)
+    if weight_type in _Q8_K_DOT:
+        return q8_k_roundtrip(x)
+    return x
+
+
+def q8_k_roundtrip(x: np.ndarray) -> np.ndarray:
+    """ggml's quantize_row_q8_K: per 256, scale by the signed extreme, round to int8, f32 scale."""
+    b = np.ascontiguousarray(x, F32).reshape(-1, 256)
+    extreme = np.take_along_axis(b, np.abs(b).argmax(axis=1)[:, None], axis=1)
+    with np.errstate(divide="ignore"):
+        iscale = np.where(extreme == 0, F32(0), F32(-127) / extreme).astype(F32)
+    q = np.minimum(np.rint(b * iscale), 127)
+    d = np.where(iscale == 0, F32(0), F32(1) / np.where(iscale == 0, F32(1), iscale)).astype(F32)
+    return (q * d).astype(F32).reshape(x.shape)
 
 
 # ------------------------------------------------------------------------------------
@@ -278,13 +318,13 @@ def mla(h: np.ndarray, w: Weights, cfg: KimiConfig, c_q: np.ndarray | None,
     ckv = linear(w, T.ATTN_KV_A_MQA, h)
     c = rms_norm(ckv[:, :r], cfg.rms_eps) * w(T.ATTN_KV_A_NORM)           # latent, normed
     kp = ckv[:, r:]                                                         # NoPE: not rotated
-    qa = q[:, :, :d_n] @ w(T.ATTN_K_B).transpose(0, 2, 1)                  # k_b[h] @ qn: [H, T, r]
+    qa = w.input_for(T.ATTN_K_B, q[:, :, :d_n]) @ w(T.ATTN_K_B).transpose(0, 2, 1)   # k_b[h] @ qn
     Q = np.concatenate([qa, q[:, :, d_n:]], axis=-1)
     K = np.concatenate([c, kp], axis=-1)                                    # the single KV head
     scores = (Q @ K.T) * F32(1 / math.sqrt(d_n + d_r))
     p = softmax(np.where(keep, scores, F32(-np.inf)))                       # [H, T, T]
     u = p @ c                                                               # V = the latent itself
-    o = (u @ w(T.ATTN_V_B).transpose(0, 2, 1)).transpose(1, 0, 2)         # v_b[h] @ u: [T, H, d_v]
+    o = (w.input_for(T.ATTN_V_B, u) @ w(T.ATTN_V_B).transpose(0, 2, 1)).transpose(1, 0, 2)  # v_b[h] @ u
     o = o.reshape(n_tok, H * cfg.v_head_dim)
     if w.has(T.ATTN_GATE):                        # the gate reads the normed layer input
         o = o * sigmoid(linear(w, T.ATTN_GATE, h))
@@ -339,8 +379,9 @@ def routed_experts(z: np.ndarray, sel: np.ndarray, wts: np.ndarray, w: Weights, 
     for e in np.unique(sel):
         gate, up, down = (w.expert(n, e) for n in (T.FFN_GATE_EXPS, T.FFN_UP_EXPS, T.FFN_DOWN_EXPS))
         for t, slot in zip(*np.nonzero(sel == e)):
-            act = situ(gate @ z[t], up @ z[t], cfg.situ_beta, cfg.situ_linear_beta)
-            per_slot[slot, t] = (down @ act) * wts[t, slot]
+            zt = w.input_for(T.FFN_GATE_EXPS, z[t])
+            act = situ(gate @ zt, up @ zt, cfg.situ_beta, cfg.situ_linear_beta)
+            per_slot[slot, t] = (down @ w.input_for(T.FFN_DOWN_EXPS, act)) * wts[t, slot]
         del gate, up, down
     y = per_slot[0]
     for j in range(1, k):                          # added slot by slot, as ggml aggregates
@@ -408,7 +449,11 @@ class RoutingMargins:
 class Runtime:
     """Executes a kimi-k3 / kimi-k31 GGUF file; see the module docstring."""
 
-    def __init__(self, path, *, top_k: int | None = None):
+    def __init__(self, path, *, top_k: int | None = None, llama_cpp_rounding: bool = False):
+        """top_k overrides the file's indexer top_k; llama_cpp_rounding rounds every matmul input
+        as ggml's CPU backend does for the weight's type (see ggml_vec_dot_input), to compare a
+        BF16 or MXFP4 file with llama.cpp position by position."""
+        self.llama_cpp_rounding = llama_cpp_rounding
         self.path = Path(path)
         self.gf = open_gguf(self.path)
         cfg = KimiConfig.from_gguf(self.gf.fields)
@@ -422,10 +467,10 @@ class Runtime:
         y = self.hidden(token_ids)
         out = self.gf.tensors[T.OUTPUT]
         logits = np.empty((len(y), out.shape[0]), F32)
-        w = Weights(self.gf)
+        w = self.weights(None)
         for a in range(0, out.shape[0], OUTPUT_CHUNK_ROWS):
             rows = slice(a, min(a + OUTPUT_CHUNK_ROWS, out.shape[0]))
-            logits[:, rows] = y @ w.rows(T.OUTPUT, rows).T
+            logits[:, rows] = w.input_for(T.OUTPUT, y) @ w.rows(T.OUTPUT, rows).T
         return logits
 
     def hidden(self, token_ids) -> np.ndarray:
@@ -440,7 +485,7 @@ class Runtime:
     # --- the layer loop with block attention residuals (§3.2) ---
     def _forward(self, ids: np.ndarray) -> np.ndarray:
         cfg, eps, B = self.cfg, self.cfg.rms_eps, self.cfg.attn_res_block_size
-        g = Weights(self.gf)
+        g = self.weights(None)
         P = g.rows(T.TOKEN_EMBD, ids)              # the running partial sum, starts at the embedding
         stack: list[np.ndarray] = []               # banked (completed) blocks
         for il in range(cfg.n_layer):
@@ -457,7 +502,7 @@ class Runtime:
         return rms_norm(y, eps) * g(T.OUTPUT_NORM)
 
     def weights(self, il: int | None) -> Weights:
-        return Weights(self.gf, il, self.loaded_experts)
+        return Weights(self.gf, il, self.loaded_experts, self.llama_cpp_rounding)
 
     def attention_block(self, il: int, h: np.ndarray) -> np.ndarray:
         """KDA or MLA (+ indexer) on the attention-normed input h."""
