@@ -8,3 +8,4 @@ cd "$(dirname "$0")/.."
 python -m pip install -q -e '.[test]'
 bash .ci/install-interop.sh
 python -m pytest -q
+bash scripts/verify_fixtures.sh
