@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """NumPy runtime benchmark (not a test): tokens/s and peak RSS for one GGUF and sequence length.
 
-    python benchmarks/bench_runtime.py MODEL.gguf [--tokens 32] [--top-k K] [--repeats 1] [--seed 0]
+    python benchmarks/bench_runtime.py [MODEL.gguf] [--tokens 32] [--top-k K] [--repeats 1] [--seed 0]
+
+Without MODEL it generates the default 8-layer K3 fixture, converts it (F32) and runs that.
 
 Prints the runtime's description and RAM estimate first, then runs `Runtime.logits` on random
 token ids (all positions, one prefill) `--repeats` times in this process and reports, per run,
@@ -54,16 +56,28 @@ def gib(n: float) -> str:
     return f"{n / 2**30:.3f} GiB"
 
 
+def fixture_model() -> Path:
+    import tempfile
+    from fixtures.make_checkpoint import make_checkpoint
+    from kimi_convert.convert import build_plan, convert
+    work = Path(tempfile.mkdtemp(prefix="bench-runtime-"))
+    hf = make_checkpoint(work / "Kimi-K3-tiny", arch="k3")
+    convert(build_plan(hf, "f32"), work / "k3-f32.gguf")
+    print(f"model: 8-layer K3 fixture converted to {work / 'k3-f32.gguf'}")
+    return work / "k3-f32.gguf"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("model", type=Path)
+    ap.add_argument("model", type=Path, nargs="?", help="a kimi-k3/k31 GGUF (default: the 8-layer fixture)")
     ap.add_argument("--tokens", type=int, default=32, help="sequence length (default 32)")
     ap.add_argument("--top-k", type=int, default=None, help="override the K3.1 indexer top_k")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
-    rt = Runtime(args.model, top_k=args.top_k)
+    model = args.model or fixture_model()
+    rt = Runtime(model, top_k=args.top_k)
     print(rt.describe())
     print(f"estimated RAM for {args.tokens} tokens: {gib(rt.estimate_ram_bytes(args.tokens))}")
     ids = np.random.default_rng(args.seed).integers(0, rt.cfg.n_vocab, args.tokens)
@@ -88,6 +102,16 @@ def main() -> int:
         kind, il, t, gap = closest
         print(f"closest routing decision: {kind} layer {il} position {t}, gap {gap:.3g}")
     print(f"routed experts dequantised: {len(rt.loaded_experts)}")
+    hf_dir = model.parent / "Kimi-K3-tiny"
+    if args.model is None and hf_dir.exists():          # baseline in the same run: the torch reference
+        from kimi_convert.reference import ReferenceModel
+        ref = ReferenceModel(hf_dir)
+        ref.logits(list(ids))                            # warm-up (weights load, torch init)
+        t0 = time.perf_counter()
+        ref.logits(list(ids))
+        ref_dt = time.perf_counter() - t0
+        print(f"torch reference on the HF checkpoint: {args.tokens / ref_dt:.2f} tokens/s; "
+              f"runtime / reference speed ratio: {ref_dt / dt:.2f}x")
     return 0
 
 
