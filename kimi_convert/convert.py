@@ -32,6 +32,7 @@ from .tensor_map import (A_LOG, CONV1D, COPY, EXPERTS, GLOBAL_RULES, K_B, LAYER_
 OUTTYPES = {"bf16": QT.BF16, "f32": QT.F32}
 FLOAT_DTYPES = ("BF16", "F16", "F32")
 BASE_RSS = 200 << 20          # interpreter, numpy, gguf, the vocabulary
+CAST_CHUNK = 16 << 20         # source bytes cast per chunk (--outtype f32): 4 such chunks in flight
 
 
 @dataclass
@@ -52,10 +53,10 @@ class PlannedTensor:
         """RAM this tensor's producer needs at once (see _produce)."""
         src = sum(s.nbytes for s in self.sources[0])
         if self.rule.transform == EXPERTS:
-            return 6 * src
+            return 12 * src       # read + repack of one expert, up to 4 in flight (Prefetch)
         if self.rule.transform in (COPY, CONV1D):
             same = self.sources[0][0].dtype == _src_dtype(self.qtype)
-            return 0 if same else 8 * min(src, COPY_CHUNK)
+            return 0 if same else 16 * min(src, CAST_CHUNK)
         return 8 * src + 4 * self.nbytes
 
 
@@ -229,7 +230,7 @@ def _copy(t: SourceTensor, qtype: QT, ckpt: Checkpoint) -> Iterator:
             yield FileRange(t.path, t.offset + off, min(COPY_CHUNK, t.nbytes - off))
         return
     row_bytes = t.nbytes // (t.shape[0] if len(t.shape) > 1 else 1)
-    rows_per_chunk = max(1, COPY_CHUNK // max(row_bytes, 1))
+    rows_per_chunk = max(1, CAST_CHUNK // max(row_bytes, 1))
     n_rows = t.shape[0] if len(t.shape) > 1 else 1
     from .checkpoint import NUMPY_DTYPE
     for r in range(0, n_rows, rows_per_chunk):

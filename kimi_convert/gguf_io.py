@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import errno
 import os
+import queue
 import re
 import shutil
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Union
@@ -125,21 +127,102 @@ class GGUFStreamWriter:
         m.write_kv_data_to_file()
         m.write_ti_data_to_file()
         temps = [Path(f.name) for f in m.fout]
-        with SourceFiles() as sources:
+        ordered = [(fout, t) for fout, part in zip(m.fout, files) for t in part]
+        with SourceFiles() as sources, Prefetch(t for _, t in ordered) as chunks:
             for fout, part in zip(m.fout, files):
                 _pad(fout, m.data_alignment)
-                for t in part:
-                    written = 0
-                    for chunk in t.chunks():
-                        n = _write_chunk(fout, chunk, sources)
-                        written += n
-                        on_bytes(n)
-                    if written != t.nbytes:
-                        raise CheckpointError(f"{t.name}: produced {written} bytes, expected {t.nbytes}")
-                    _pad(fout, m.data_alignment)
-                fout.flush()
-                os.fsync(fout.fileno())
+                with _Writeback(fout) as writeback:
+                    for t in part:
+                        written = 0
+                        for chunk in chunks.of(t):
+                            n = _write_chunk(fout, chunk, sources)
+                            written += n
+                            writeback.wrote(n)
+                            on_bytes(n)
+                        if written != t.nbytes:
+                            raise CheckpointError(f"{t.name}: produced {written} bytes, expected {t.nbytes}")
+                        _pad(fout, m.data_alignment)
         return temps
+
+
+class Prefetch:
+    """Runs the tensors' chunk producers (reads, casts, MXFP4 repacks) one step ahead in a thread.
+
+    numpy and file reads release the GIL, so the producer works on the second core while the
+    main thread writes; the queue holds at most DEPTH chunks, which bounds the extra memory.
+    """
+    DEPTH = 3
+    _END = object()
+
+    def __init__(self, tensors: Iterable[OutTensor]):
+        self.queue: queue.Queue = queue.Queue(self.DEPTH)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(list(tensors),), daemon=True)
+
+    def _run(self, tensors: list[OutTensor]) -> None:
+        try:
+            for t in tensors:
+                for chunk in t.chunks():
+                    if not self._put((t.name, chunk)):
+                        return
+                if not self._put((t.name, self._END)):
+                    return
+        except BaseException as e:      # handed to the writer, which raises it
+            self._put((None, e))
+
+    def _put(self, item) -> bool:
+        while not self.stop.is_set():
+            try:
+                self.queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def of(self, t: OutTensor) -> Iterator[Chunk]:
+        while True:
+            name, chunk = self.queue.get()
+            if name is None:
+                raise chunk
+            if chunk is self._END:
+                return
+            assert name == t.name, f"producer at {name}, writer at {t.name}"
+            yield chunk
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+
+
+class _Writeback:
+    """Flush to disk in the background every WRITEBACK bytes, so the closing fsync is short
+    and dirty pages do not pile up; the final fsync makes the file durable before its rename."""
+    WRITEBACK = 256 << 20
+
+    def __init__(self, fout):
+        self.fout, self.pending, self.syncer = fout, 0, None
+
+    def wrote(self, n: int) -> None:
+        self.pending += n
+        if self.pending >= self.WRITEBACK and (self.syncer is None or not self.syncer.is_alive()):
+            self.fout.flush()
+            self.syncer = threading.Thread(target=os.fdatasync, args=(self.fout.fileno(),), daemon=True)
+            self.syncer.start()
+            self.pending = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.syncer is not None:
+            self.syncer.join()
+        if exc[0] is None:
+            self.fout.flush()
+            os.fsync(self.fout.fileno())
 
 
 def _pad(fout, align: int) -> None:
