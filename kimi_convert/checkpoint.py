@@ -7,6 +7,7 @@ memory-mapped, so the resident set does not grow with what has been read.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -141,6 +142,21 @@ class Checkpoint:
         if len(data) != length:
             raise CheckpointError(f"{t.path}: truncated shard: tensor {t.name} cut short")
         return data
+
+    def map(self, t: SourceTensor) -> np.ndarray:
+        """The tensor as a read-only view of the page cache (no copy), for large streamed reads.
+
+        Only the tensor's own pages are mapped; they are unmapped when the array is dropped,
+        so the resident set stays at the tensors in use.
+        """
+        start = t.offset - t.offset % mmap.ALLOCATIONGRANULARITY
+        with open(t.path, "rb", buffering=0) as f:
+            if os.fstat(f.fileno()).st_size < t.offset + t.nbytes:    # a short map would SIGBUS
+                raise CheckpointError(f"{t.path}: truncated shard: tensor {t.name} cut short")
+            view = mmap.mmap(f.fileno(), t.offset + t.nbytes - start, offset=start, access=mmap.ACCESS_READ)
+        data = np.frombuffer(view, dtype=NUMPY_DTYPE[t.dtype], offset=t.offset - start,
+                             count=t.nbytes // DTYPE_SIZE[t.dtype])
+        return data.reshape(t.shape)
 
     def read(self, t: SourceTensor) -> np.ndarray:
         """The tensor in its stored dtype (BF16 as uint16 bit patterns)."""

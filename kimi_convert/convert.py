@@ -216,7 +216,7 @@ def _produce(p: PlannedTensor, ckpt: Checkpoint, cfg: KimiConfig) -> Iterator:
     elif tr == EXPERTS:
         for group in p.sources:
             if len(group) == 2:
-                yield mxfp4.repack(ckpt.read(group[0]), ckpt.read(group[1]))
+                yield mxfp4.repack(ckpt.map(group[0]), ckpt.map(group[1]))
             else:
                 yield from _copy(group[0], p.qtype, ckpt)
     else:
