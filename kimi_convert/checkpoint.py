@@ -158,6 +158,14 @@ class Checkpoint:
                              count=t.nbytes // DTYPE_SIZE[t.dtype])
         return data.reshape(t.shape)
 
+    def will_need(self, t: SourceTensor) -> None:
+        """Start reading t from disk in the background (the experts are read out of file order)."""
+        fd = os.open(t.path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, t.offset, t.nbytes, os.POSIX_FADV_WILLNEED)
+        finally:
+            os.close(fd)
+
     def read(self, t: SourceTensor) -> np.ndarray:
         """The tensor in its stored dtype (BF16 as uint16 bit patterns)."""
         return np.frombuffer(self.read_raw(t), dtype=NUMPY_DTYPE[t.dtype]).reshape(t.shape)

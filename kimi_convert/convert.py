@@ -214,7 +214,9 @@ def _produce(p: PlannedTensor, ckpt: Checkpoint, cfg: KimiConfig) -> Iterator:
     elif tr in (K_B, V_B):
         yield _split_kv_b(p, ckpt, cfg)
     elif tr == EXPERTS:
-        for group in p.sources:
+        for e, group in enumerate(p.sources):
+            for t in p.sources[e + 1] if e + 1 < len(p.sources) else ():
+                ckpt.will_need(t)                  # the next expert is read while this one repacks
             if len(group) == 2:
                 yield mxfp4.repack(ckpt.map(group[0]), ckpt.map(group[1]))
             else:
