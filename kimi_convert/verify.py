@@ -777,8 +777,8 @@ def _available_ram() -> int | None:
 class _Runs:
     """Forward passes, made once and shared by the parts that need them."""
 
-    def __init__(self, gguf: Path, hf_dir: Path | None, ids: list[int]):
-        self.gguf, self.hf_dir, self.ids = gguf, hf_dir, ids
+    def __init__(self, gguf: Path, hf_dir: Path | None, ids: list[int], log: Callable[[str], None] = print):
+        self.gguf, self.hf_dir, self.ids, self.log = gguf, hf_dir, ids, log
         self._cache: dict[Any, tuple[np.ndarray, dict]] = {}
 
     def runtime(self, top_k: int | None = None, dense: bool = False) -> tuple[np.ndarray, dict]:
@@ -787,6 +787,9 @@ class _Runs:
             from .runtime import Runtime
             rt = Runtime(self.gguf, top_k=top_k)
             need, avail = rt.estimate_ram_bytes(len(self.ids)), _available_ram()
+            if not self._cache:
+                self.log(f"runtime: about {need / 2**20:.0f} MiB of RAM for {len(self.ids)} tokens"
+                         + (f" ({avail / 2**30:.1f} GiB available)" if avail else ""))
             if avail is not None and need > avail:
                 raise KimiError(f"the runtime needs about {need / 2**30:.1f} GiB, "
                                 f"{avail / 2**30:.1f} GiB are available")
@@ -956,7 +959,7 @@ def verify(gguf_path: Path, hf_dir: Path | None = None, *, length: int = SEQ_LEN
     except Exception as e:                              # noqa: BLE001
         structure.fail(f"no token sequence: {e}")
         structure.ok = False
-    runs = _Runs(gguf_path, Path(hf_dir) if hf_dir else None, ids)
+    runs = _Runs(gguf_path, Path(hf_dir) if hf_dir else None, ids, log)
 
     def needs_ids(fn):
         def body(p: Part):
