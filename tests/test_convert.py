@@ -287,3 +287,19 @@ def test_split_by_size(tmp_path, k3_dir):
     for p in res.paths:
         data = sum(int(t.n_bytes) for t in GGUFReader(p).tensors)
         assert data <= 1_000_000 or len(GGUFReader(p).tensors) == 1
+
+
+def test_buffered_and_direct_writes_give_the_same_file(tmp_path, k31_dir, monkeypatch):
+    """O_DIRECT staging (the default where the file system has it) and plain buffered writes agree."""
+    from kimi_convert import gguf_io
+    from kimi_convert.convert import build_plan, convert
+    sinks = []
+    real_open_sink = gguf_io.open_sink
+    monkeypatch.setattr(gguf_io, "open_sink", lambda fout: sinks.append(real_open_sink(fout)) or sinks[-1])
+    direct = convert(build_plan(k31_dir, "f32"), tmp_path / "direct.gguf", split_max_tensors=100).paths
+    assert {type(s).__name__ for s in sinks} == {"DirectSink"}
+    monkeypatch.setattr(gguf_io, "open_sink", gguf_io.BufferedSink)
+    buffered = convert(build_plan(k31_dir, "f32"), tmp_path / "buffered.gguf", split_max_tensors=100).paths
+    assert len(direct) == len(buffered) == 3
+    for a, b in zip(direct, buffered):
+        assert a.read_bytes() == b.read_bytes()
