@@ -32,6 +32,7 @@ from .tensor_map import (A_LOG, CONV1D, COPY, EXPERTS, GLOBAL_RULES, K_B, LAYER_
 OUTTYPES = {"bf16": QT.BF16, "f32": QT.F32}
 FLOAT_DTYPES = ("BF16", "F16", "F32")
 BASE_RSS = 200 << 20          # interpreter, numpy, gguf, the vocabulary
+READ_AHEAD = 4               # experts requested from the disk ahead of the one being repacked
 CAST_CHUNK = 16 << 20         # source bytes cast per chunk (--outtype f32): 4 such chunks in flight
 
 
@@ -214,9 +215,11 @@ def _produce(p: PlannedTensor, ckpt: Checkpoint, cfg: KimiConfig) -> Iterator:
     elif tr in (K_B, V_B):
         yield _split_kv_b(p, ckpt, cfg)
     elif tr == EXPERTS:
+        for t in (t for group in p.sources[:READ_AHEAD] for t in group):
+            ckpt.will_need(t)
         for e, group in enumerate(p.sources):
-            for t in p.sources[e + 1] if e + 1 < len(p.sources) else ():
-                ckpt.will_need(t)                  # the next expert is read while this one repacks
+            for t in p.sources[e + READ_AHEAD] if e + READ_AHEAD < len(p.sources) else ():
+                ckpt.will_need(t)                  # experts are read out of file order: ask early
             if len(group) == 2:
                 yield mxfp4.repack(ckpt.map(group[0]), ckpt.map(group[1]))
             else:
