@@ -211,7 +211,7 @@ class ReferenceConfig:
         if not tc.get("mla_use_nope", True):
             raise ValueError("mla_use_nope=false (RoPE MLA) is not Kimi-K3")
         if (_first(tc, ("num_expert_group", "n_group")) or 1) > 1:
-            raise NotImplementedError("group-limited routing (num_expert_group > 1) is not Kimi-K3")
+            raise ValueError("group-limited routing (num_expert_group > 1) is not Kimi-K3")
 
         # K3.1 lightning indexer. `text_config.dsa_config` (or top-level `dsa_config`), else DeepSeek-style
         # index_* keys directly in text_config. Never read a bare `top_k` from text_config: that is
