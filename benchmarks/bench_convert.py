@@ -11,7 +11,7 @@ w1/w3 weight_packed U8[3072,1792] + weight_scale U8[3072,112], w2 U8[3584,1536] 
 small but real-looking (hidden 2048, 16 heads of 128, ...), so routed experts are ~80% of the
 bytes (the real model: >95%; the rest is BF16 that the converter copies in-kernel, so this
 flatters the converter a little). Config, tokenizer and small tensors come from
-fixtures.make_checkpoint; the big tensors are written here by a streaming safetensors writer
+kimi_convert.fixtures.make_checkpoint; the big tensors are written here by a streaming safetensors writer
 (random packed codes, E8M0 scales in 118..127), one tensor at a time, so generation is
 disk-bound and its memory is a few tens of MB.
 
@@ -49,7 +49,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from fixtures import make_checkpoint as fx  # noqa: E402  (tensor_plan, config and tokenizer writers)
+from kimi_convert.fixtures import make_checkpoint as fx  # noqa: E402  (tensor_plan, config and tokenizer writers)
 
 LATENT, MOE_I, BLOCK = 3584, 3072, 32
 N_EXPERTS = 32            # per MoE layer (the real model has hundreds; --experts)

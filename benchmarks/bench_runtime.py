@@ -58,7 +58,7 @@ def gib(n: float) -> str:
 
 def fixture_model() -> Path:
     import tempfile
-    from fixtures.make_checkpoint import make_checkpoint
+    from kimi_convert.fixtures.make_checkpoint import make_checkpoint
     from kimi_convert.convert import build_plan, convert
     work = Path(tempfile.mkdtemp(prefix="bench-runtime-"))
     hf = make_checkpoint(work / "Kimi-K3-tiny", arch="k3")

@@ -6,10 +6,13 @@ memory-mapped, so the resident set does not grow with what has been read.
 """
 from __future__ import annotations
 
+import gc
 import json
+import math
 import mmap
 import os
 import struct
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +26,7 @@ MAX_HEADER = 512 << 20   # the real index-sized headers are a few MB; this rejec
 
 DTYPE_SIZE = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "U8": 1, "I8": 1, "I32": 4, "I64": 8,
               "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1, "U16": 2, "I16": 2, "U32": 4}
+DTYPE_NAMES = {k: k for k in DTYPE_SIZE}     # one shared string object per dtype
 NUMPY_DTYPE = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32, "U8": np.uint8,
                "I8": np.int8, "I32": np.int32, "I64": np.int64, "F64": np.float64}
 
@@ -40,8 +44,13 @@ class SourceTensor:
         return f"{self.name} ({self.dtype} {list(self.shape)} in {self.path.name})"
 
 
-def read_shard_header(path: Path) -> dict[str, SourceTensor]:
-    """Parse and bounds-check one safetensors header."""
+def read_shard_header(path: Path, shapes: dict | None = None) -> dict[str, SourceTensor]:
+    """Parse and bounds-check one safetensors header.
+
+    `shapes` (shared across shards) maps (dtype, *dims) to one (dtype, shape, nbytes) record:
+    the real model's 497,220 tensors have 47 distinct ones, so the per-tensor records share
+    them instead of each holding its own strings, tuple and ints.
+    """
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -61,29 +70,59 @@ def read_shard_header(path: Path) -> dict[str, SourceTensor]:
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: corrupt safetensors header (not an object)")
     base = 8 + n
+    shapes = {} if shapes is None else shapes
     out = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        out[name] = _source_tensor(path, name, info, base, size)
+        out[name] = _source_tensor(path, name, info, base, size, shapes)
     return out
 
 
-def _source_tensor(path: Path, name: str, info, base: int, size: int) -> SourceTensor:
+def _source_tensor(path: Path, name: str, info, base: int, size: int, shapes: dict) -> SourceTensor:
     try:
-        dtype, shape, (begin, end) = info["dtype"], tuple(int(x) for x in info["shape"]), info["data_offsets"]
+        key = (info["dtype"], *info["shape"])
+        begin, end = info["data_offsets"]
+        known = shapes.get(key)
     except (KeyError, TypeError, ValueError):
         raise CheckpointError(f"{path}: corrupt safetensors header entry for tensor {name}") from None
-    if dtype not in DTYPE_SIZE:
-        raise CheckpointError(f"{path}: tensor {name} has unknown dtype {dtype}")
-    nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPE_SIZE[dtype]
-    if end - begin != nbytes or begin < 0:
-        raise CheckpointError(f"{path}: tensor {name} spans {end - begin} bytes but "
-                              f"{dtype}{list(shape)} needs {nbytes}")
+    if known is None:
+        known = shapes[key] = _shape_record(path, name, info)
+    dtype, shape, nbytes = known
+    try:
+        if end - begin != nbytes or begin < 0:
+            raise CheckpointError(f"{path}: tensor {name} spans {end - begin} bytes but "
+                                  f"{dtype}{list(shape)} needs {nbytes}")
+    except TypeError:
+        raise CheckpointError(f"{path}: corrupt safetensors header entry for tensor {name}") from None
     if base + end > size:
         raise CheckpointError(f"{path}: truncated shard: tensor {name} ends at byte {base + end}, "
                               f"file has {size}")
     return SourceTensor(name, dtype, shape, path, base + begin, nbytes)
+
+
+def _shape_record(path: Path, name: str, info: dict) -> tuple[str, tuple[int, ...], int]:
+    dtype = info["dtype"]
+    try:
+        shape = tuple(int(x) for x in info["shape"])
+    except (TypeError, ValueError):
+        raise CheckpointError(f"{path}: corrupt safetensors header entry for tensor {name}") from None
+    if dtype not in DTYPE_SIZE:
+        raise CheckpointError(f"{path}: tensor {name} has unknown dtype {dtype}")
+    return DTYPE_NAMES[dtype], shape, math.prod(shape) * DTYPE_SIZE[dtype]
+
+
+@contextmanager
+def _gc_paused():
+    """Hundreds of thousands of long-lived records trigger repeated full collections that find
+    nothing to free (a third of the load time of the real model's index); pause them meanwhile."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 class Checkpoint:
@@ -93,10 +132,11 @@ class Checkpoint:
         self.dir = Path(hf_dir)
         if not self.dir.is_dir():
             raise CheckpointError(f"{self.dir}: not a directory")
-        weight_map = self._read_index()
-        self.shards = sorted(set(weight_map.values()))
         self.tensors: dict[str, SourceTensor] = {}
-        self._read_shards(weight_map)   # the map is dropped after: 497k names cost ~80 MB
+        with _gc_paused():
+            weight_map = self._read_index()
+            self.shards = sorted(set(weight_map.values()))
+            self._read_shards(weight_map)
 
     def _read_index(self) -> dict[str, str]:
         index = self.dir / INDEX_NAME
@@ -110,24 +150,33 @@ class Checkpoint:
             raise CheckpointError(f"{index}: not a valid index ({e.__class__.__name__})") from None
         if not isinstance(wm, dict) or not wm:
             raise CheckpointError(f"{index}: empty weight_map")
+        shard_names: dict[str, str] = {}
+        for name, shard in wm.items():     # one string per shard, not one per tensor
+            if not isinstance(shard, str):
+                raise CheckpointError(f"{index}: tensor {name} maps to {shard!r}, not a shard file name")
+            wm[name] = shard_names.setdefault(shard, shard)
         return wm
 
     def _read_shards(self, weight_map: dict[str, str]) -> None:
+        """Each header's names are struck off the index as they are found (so the two are never
+        both held whole); what is left at the end is indexed but in no shard."""
+        shapes: dict = {}
         for shard in self.shards:
             path = self.dir / shard
             if not path.exists():
                 raise CheckpointError(f"{path}: missing shard (named in {INDEX_NAME})")
-            found = read_shard_header(path)
-            for name, t in found.items():
-                listed = weight_map.get(name)
+            found = read_shard_header(path, shapes)
+            for name in found:
+                listed = weight_map.pop(name, None)
+                if listed is None and name in self.tensors:
+                    listed = self.tensors[name].path.name
                 if listed != shard:
                     where = f"indexed in {listed}" if listed else f"not in {INDEX_NAME}"
                     raise CheckpointError(f"{path}: tensor {name} is in this shard but {where}")
             self.tensors.update(found)
         for name, shard in weight_map.items():
-            if name not in self.tensors:
-                raise CheckpointError(f"{self.dir / shard}: tensor {name} is in {INDEX_NAME} "
-                                      f"but not in its shard")
+            raise CheckpointError(f"{self.dir / shard}: tensor {name} is in {INDEX_NAME} "
+                                  f"but not in its shard")
 
     @property
     def shard_paths(self) -> list[Path]:

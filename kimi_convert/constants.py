@@ -138,12 +138,5 @@ def tname(template: str, bid: int | None = None) -> str:
     return template.format(bid=bid)
 
 
-# Tensors no quantization policy may change: top-k selection (indexer), the
-# already-quantized experts, and every 1-D / score vector (tiny, precision-critical).
-PROTECTED_SUFFIXES = (
-    "indexer.attn_q_b.weight", "indexer.attn_k.weight", "indexer.proj.weight",
-    "_exps.weight", "_norm.weight", "res_score.weight",
-)
-
 # llama.cpp's loader accepts only these for the indexer matrices (k31-indexer.md)
 INDEXER_MATRIX_TYPES = (QT.F32, QT.F16, QT.BF16)

@@ -9,29 +9,39 @@ is ever held whole unless it is small (the fused and split ones are a few MB at 
 from __future__ import annotations
 
 import resource
-import shutil
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
-from gguf import GGUF_DEFAULT_ALIGNMENT, LlamaFileType, GGML_QUANT_VERSION
+from gguf import LlamaFileType, GGML_QUANT_VERSION
 from gguf import GGMLQuantizationType as QT
 
 from . import mxfp4
-from .checkpoint import Checkpoint, SourceTensor, f32_to_bf16, to_f32
+from .checkpoint import DTYPE_SIZE, Checkpoint, SourceTensor, f32_to_bf16, to_f32
 from .constants import HF_TEXT_PREFIX, tname
-from .errors import CheckpointError, OutputError
-from .gguf_io import COPY_CHUNK, FileRange, GGUFStreamWriter, OutTensor, tensor_nbytes
+from .errors import CheckpointError, ConfigError
+from .gguf_io import (COPY_CHUNK, DirectSink, DiskRoom, FileRange, GGUFStreamWriter, OutTensor, Prefetch,
+                      check_free_disk, check_output_paths, check_split_max_size, disk_bytes, disk_room,
+                      remove_stale, split_paths, stale_partials, tensor_nbytes)
 from .model import KimiConfig
 from .tensor_map import (A_LOG, CONV1D, COPY, EXPERTS, GLOBAL_RULES, K_B, LAYER_KINDS, LAYER_RULES,
                          RES_SCORE, V_B, Rule, expert_sources, gguf_shape, sanitize)
 
+if TYPE_CHECKING:
+    from .vocab import Vocab
+
 OUTTYPES = {"bf16": QT.BF16, "f32": QT.F32}
 FLOAT_DTYPES = ("BF16", "F16", "F32")
-BASE_RSS = 200 << 20          # interpreter, numpy, gguf, the vocabulary
+# The RAM model of a run (docs/performance.md, "Memory"); each figure was measured on the
+# real-size sparse checkpoint of kimi_convert.fixtures.real_size (497,220 tensors, 163,840 tokens).
+BASE_RSS = 56 << 20           # interpreter, numpy, gguf, typer, rich: 54 MiB for a tiny checkpoint
+INDEX_BYTES_PER_TENSOR = 340  # index and plan, per source tensor: 329 B measured from 144k to 497k
+VOCAB_BYTES_PER_TOKEN = 320   # token strings, merges and types: 300 B resident, 313 B at the peak of loading
+WRITE_BUFFERS = DirectSink.STAGE * DirectSink.BUFFERS   # O_DIRECT staging, all touched on a big output
+IN_FLIGHT = Prefetch.DEPTH + 1  # produced chunks alive at once: the queue, plus the one being staged
 READ_AHEAD = 4               # experts requested from the disk ahead of the one being repacked
 CAST_CHUNK = 16 << 20         # source bytes cast per chunk (--outtype f32): 4 such chunks in flight
 
@@ -51,14 +61,33 @@ class PlannedTensor:
 
     @property
     def work_bytes(self) -> int:
-        """RAM this tensor's producer needs at once (see _produce)."""
+        """RAM this tensor's producer (see _produce) and its chunks in flight need at once.
+
+        Per transform, the producer's temporaries plus the produced chunks in flight (at most
+        IN_FLIGHT), as measured with tracemalloc on the real widths: a real MXFP4 expert matrix
+        39 MiB (estimated 45), kv_b's split 48 (48) in bf16 and 108 (120) in f32, the router's
+        widening to F32 61 (77), a 16 MB-block cast of a big tensor 208 (224); a verbatim copy
+        needs nothing.
+        """
         src = sum(s.nbytes for s in self.sources[0])
-        if self.rule.transform == EXPERTS:
-            return 12 * src       # read + repack of one expert, up to 4 in flight (Prefetch)
-        if self.rule.transform in (COPY, CONV1D):
-            same = self.sources[0][0].dtype == _src_dtype(self.qtype)
-            return 0 if same else 16 * min(src, CAST_CHUNK)
-        return 8 * src + 4 * self.nbytes
+        tr = self.rule.transform
+        if tr == EXPERTS and len(self.sources[0]) == 2:
+            # the mapped source pages and repack temporaries, then repacked experts in flight
+            return 4 * src + IN_FLIGHT * (self.nbytes // len(self.sources))
+        cast = self.sources[0][0].dtype != _src_dtype(self.qtype)
+        if tr in (COPY, CONV1D, EXPERTS):
+            if not cast:
+                return 0          # byte ranges, read straight into the write buffers
+            step = min(src, CAST_CHUNK)                    # about: _copy cuts at whole rows
+            chunk = step * tensor_nbytes(self.qtype, (1,)) // DTYPE_SIZE[self.sources[0][0].dtype]
+            n_chunks = -(-src // step)
+            # two raw blocks (the next is read before the last is let go), the chunk being made and
+            # its widening temporary, and the earlier chunks still in flight
+            return 2 * step + 2 * chunk + min(IN_FLIGHT, n_chunks - 1) * chunk
+        if tr in (K_B, V_B):
+            # all of kv_b read, the half made (and widened), the other half waiting
+            return src + (3 if cast else 1) * self.nbytes + self.nbytes
+        return 8 * src + 4 * self.nbytes          # the small fused tensors (a few KB)
 
 
 @dataclass
@@ -75,8 +104,17 @@ class Plan:
         return sum(t.nbytes for t in self.tensors)
 
     @property
+    def planning_ram_estimate(self) -> int:
+        """Peak RSS of everything before the data: the checkpoint index, the plan and the vocabulary
+        (what --dry-run itself needs)."""
+        return (BASE_RSS + INDEX_BYTES_PER_TENSOR * len(self.checkpoint.tensors)
+                + VOCAB_BYTES_PER_TOKEN * self.config.n_vocab)
+
+    @property
     def peak_ram_estimate(self) -> int:
-        return BASE_RSS + max(t.work_bytes for t in self.tensors)
+        """Peak RSS of the run: the planning figure, the write buffers and the largest tensor's work."""
+        buffers = min(WRITE_BUFFERS, self.total_bytes)      # staging pages are touched as they fill
+        return self.planning_ram_estimate + buffers + max(t.work_bytes for t in self.tensors)
 
     def by_group(self) -> dict[str, tuple[int, int]]:
         out: dict[str, list[int]] = defaultdict(lambda: [0, 0])
@@ -103,35 +141,44 @@ def build_plan(hf_dir: Path, outtype: str = "bf16") -> Plan:
     if outtype not in OUTTYPES:
         raise CheckpointError(f"--outtype {outtype!r}: choose one of {sorted(OUTTYPES)}")
     hf_dir = Path(hf_dir)
+    if hf_dir.exists() and not hf_dir.is_dir():
+        raise ConfigError(f"{hf_dir}: not a folder; give the checkpoint folder (the one holding config.json)")
     cfg = KimiConfig.from_hf_dir(hf_dir)
     ckpt = Checkpoint(hf_dir)
-    text, dropped = {}, []
-    for name, t in ckpt.tensors.items():
-        canonical = sanitize(name)
-        if canonical is None:
-            dropped.append(t)
-        else:
-            text[canonical] = t
-    planner = _Planner(cfg, text, outtype, hf_dir)
+    planner = _Planner(cfg, ckpt.tensors, outtype, hf_dir)
     tensors = [planner.plan(r, None) for r in GLOBAL_RULES[:1]]
     for il in range(cfg.n_layer):
         tensors += [planner.plan(r, il) for r in LAYER_RULES if LAYER_KINDS[r.when](cfg, il)]
     tensors += [planner.plan(r, None) for r in GLOBAL_RULES[1:]]
     planner.check_all_used()
-    return Plan(hf_dir, cfg, ckpt, outtype, tensors, dropped)
+    return Plan(hf_dir, cfg, ckpt, outtype, tensors, planner.dropped)
 
 
 class _Planner:
-    def __init__(self, cfg: KimiConfig, text: dict[str, SourceTensor], outtype: str, hf_dir: Path):
-        self.cfg, self.text, self.outtype, self.hf_dir = cfg, text, outtype, hf_dir
-        self.used: set[str] = set()
+    """Looks sources up by canonical name (tensor_map.sanitize) in the checkpoint's own table.
+
+    Names spelled HF_TEXT_PREFIX + canonical (the release's) are found there directly; only other
+    spellings get an entry of their own, so the real model's 497k names are not copied (~75 MB).
+    """
+
+    def __init__(self, cfg: KimiConfig, tensors: dict[str, SourceTensor], outtype: str, hf_dir: Path):
+        self.cfg, self.tensors, self.outtype, self.hf_dir = cfg, tensors, outtype, hf_dir
+        self.aliases: dict[str, SourceTensor] = {}
+        self.dropped: list[SourceTensor] = []
+        for name, t in tensors.items():
+            canonical = sanitize(name)
+            if canonical is None:
+                self.dropped.append(t)
+            elif name != HF_TEXT_PREFIX + canonical:
+                self.aliases[canonical] = t
+        self.used: set[str] = set()     # HF names (the checkpoint's own string objects)
 
     def source(self, name: str, needed_for: str) -> SourceTensor:
-        t = self.text.get(name)
+        t = self.aliases.get(name) or self.tensors.get(HF_TEXT_PREFIX + name)
         if t is None:
             raise CheckpointError(f"{self.hf_dir / 'model.safetensors.index.json'}: tensor "
                                   f"{HF_TEXT_PREFIX}{name} is missing (needed for {needed_for})")
-        self.used.add(name)
+        self.used.add(t.name)
         return t
 
     def plan(self, rule: Rule, bid: int | None) -> PlannedTensor:
@@ -175,11 +222,13 @@ class _Planner:
                                       f"config.json implies U8{list(want)}")
 
     def check_all_used(self) -> None:
-        stray = sorted(set(self.text) - self.used)
-        if stray:
-            t = self.text[stray[0]]
-            raise CheckpointError(f"{t.path}: tensor {t.name} has no GGUF mapping for this config "
-                                  f"({len(stray)} unmapped); refusing to drop it silently")
+        if len(self.used) + len(self.dropped) == len(self.tensors):
+            return
+        stray = sorted(((sanitize(t.name), t) for t in self.tensors.values()
+                        if t.name not in self.used and sanitize(t.name) is not None), key=lambda ct: ct[0])
+        t = stray[0][1]
+        raise CheckpointError(f"{t.path}: tensor {t.name} has no GGUF mapping for this config "
+                              f"({len(stray)} unmapped); refusing to drop it silently")
 
 
 # ------------------------------------------------------------------------------------
@@ -211,7 +260,7 @@ def _produce(p: PlannedTensor, ckpt: Checkpoint, cfg: KimiConfig) -> Iterator:
         norm, proj = (ckpt.read_f32(t).reshape(-1) for t in p.sources[0])
         yield (norm * proj).astype(np.float32)
     elif tr == A_LOG:
-        yield -np.exp(ckpt.read_f32(p.sources[0][0])[:cfg.n_head])
+        yield ssm_a(ckpt.read_f32(p.sources[0][0]), cfg.n_head)
     elif tr in (K_B, V_B):
         yield _split_kv_b(p, ckpt, cfg)
     elif tr == EXPERTS:
@@ -226,6 +275,12 @@ def _produce(p: PlannedTensor, ckpt: Checkpoint, cfg: KimiConfig) -> Iterator:
                 yield from _copy(group[0], p.qtype, ckpt)
     else:
         raise AssertionError(f"unknown transform {tr}")
+
+
+def ssm_a(a_log: np.ndarray, n_head: int) -> np.ndarray:
+    """-exp(A_log[:H]), correctly rounded: exp in float64, one rounding to float32 (a float32 exp,
+    numpy's or torch's, is only within 1-2 ulp of it)."""
+    return (-np.exp(a_log[:n_head].astype(np.float64))).astype(np.float32)
 
 
 def _copy(t: SourceTensor, qtype: QT, ckpt: Checkpoint) -> Iterator:
@@ -279,36 +334,66 @@ def file_type(plan: Plan) -> int:
     return LlamaFileType.ALL_F32 if plan.outtype == "f32" else LlamaFileType.MOSTLY_BF16
 
 
-def check_free_disk(plan: Plan, out: Path) -> None:
-    free = shutil.disk_usage(out.parent).free
-    need = plan.total_bytes + (64 << 20)
-    if free < need:
-        raise OutputError(f"{out.parent}: not enough free disk: {need / 2**30:.2f} GiB needed, "
-                          f"{free / 2**30:.2f} GiB free")
+# ------------------------------------------------------------------------------------
+# before writing: the checks the run and the dry run share
 
+@dataclass
+class Preflight:
+    """Everything the run checks before it writes a byte. The dry run is this and nothing more,
+    so the two decide alike; only the disk check is left to the caller (exit code 3, after the plan)."""
+    finals: list[Path]        # the output file(s)
+    vocab: Vocab
+    stale: list[Path]         # partial folders of dead processes, which the run removes
+    room: DiskRoom
+
+
+def preflight(plan: Plan, out: Path, *, split_max_tensors: int = 0, split_max_size: int = 0,
+              force: bool = False) -> Preflight:
+    from .vocab import load_vocab     # here, so that planning alone needs no vocabulary
+    out = Path(out)
+    if split_max_size:
+        check_split_max_size(split_max_size)
+    finals = split_paths(out, plan.n_files(split_max_tensors, split_max_size))
+    check_output_paths(finals, force)
+    vocab = load_vocab(plan.hf_dir, _text_config(plan.hf_dir))
+    stale = stale_partials(out)
+    return Preflight(finals, vocab, stale, disk_room(plan.total_bytes, out, sum(disk_bytes(p) for p in stale)))
+
+
+# ------------------------------------------------------------------------------------
+# the run
 
 def convert(plan: Plan, out: Path, *, split_max_tensors: int = 0, split_max_size: int = 0,
-            force: bool = False, on_bytes: Callable[[int], None] = lambda n: None) -> ConvertResult:
-    from .vocab import load_vocab, write_vocab   # here, so planning needs no vocabulary
-
+            force: bool = False, on_bytes: Callable[[int], None] = lambda n: None,
+            log: Callable[[str], None] = lambda s: None) -> ConvertResult:
     out = Path(out)
-    check_free_disk(plan, out)
+    pre = preflight(plan, out, split_max_tensors=split_max_tensors, split_max_size=split_max_size,
+                    force=force)
+    remove_stale(pre.stale, log)
+    check_free_disk(pre.room)
     cfg, ckpt = plan.config, plan.checkpoint
-    vocab = load_vocab(plan.hf_dir, _text_config(plan.hf_dir))
     writer = GGUFStreamWriter(out, cfg.arch, split_max_tensors=split_max_tensors,
                               split_max_size=split_max_size, force=force)
-    m = writer.meta
-    m.add_name(plan.hf_dir.name)
-    m.add_file_type(file_type(plan))
-    m.add_quantization_version(GGML_QUANT_VERSION)
-    for key, value, vtype, sub in cfg.gguf_metadata():
-        writer.add_kv(key, value, vtype, sub)
-    write_vocab(vocab, m)
+    add_metadata(writer, plan, pre.vocab)
     outs = [OutTensor(t.name, t.qtype, t.shape, (lambda t=t: _produce(t, ckpt, cfg))) for t in plan.tensors]
     start = time.perf_counter()
     paths = writer.write(outs, on_bytes)
     return ConvertResult(paths, len(outs), plan.total_bytes, time.perf_counter() - start, peak_rss(),
                          len(plan.dropped), sum(t.nbytes for t in plan.dropped))
+
+
+def add_metadata(writer: GGUFStreamWriter, plan: Plan, vocab: "Vocab") -> None:
+    """Every key of the output: general.*, the model's hyperparameters and the tokenizer
+    (also used by kimi_convert.fixtures.real_size for its data-less GGUF of the real model)."""
+    from .vocab import write_vocab
+
+    m = writer.meta
+    m.add_name(plan.hf_dir.name)
+    m.add_file_type(file_type(plan))
+    m.add_quantization_version(GGML_QUANT_VERSION)
+    for key, value, vtype, sub in plan.config.gguf_metadata():
+        writer.add_kv(key, value, vtype, sub)
+    write_vocab(vocab, m)
 
 
 def _text_config(hf_dir: Path) -> dict:

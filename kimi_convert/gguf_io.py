@@ -3,8 +3,10 @@
 Writing: metadata and tensor infos go through gguf's own GGUFWriter (so the header,
 KV encoding and split naming are llama.cpp's); tensor data is then streamed chunk by
 chunk, so no tensor (a 4.9 GB stacked expert tensor, say) is ever held whole. Files
-are written into a hidden temporary folder beside the output and renamed into place
-only when every byte is down: an error leaves nothing behind.
+are written into a hidden partial folder beside the output (`.OUT.partial-PID`) and
+renamed into place only when every byte is down: an error, or a signal that raises
+(see errors.Interrupted), leaves nothing behind. A partial folder whose process is gone
+(SIGKILL, a crash) is found by `stale_partials` for the next run to remove.
 
 Reading: `open_gguf` memory-maps a file or every part of a split file.
 """
@@ -17,7 +19,7 @@ import queue
 import re
 import shutil
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Union
 
@@ -26,7 +28,7 @@ from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFValueType, GGUFWriter
 from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize
 
-from .errors import CheckpointError, OutputError
+from .errors import CheckpointError, DiskSpaceError, OutputError
 
 COPY_CHUNK = 64 << 20
 
@@ -56,6 +58,7 @@ class OutTensor:
     qtype: QT
     shape: tuple[int, ...]            # numpy order: the reverse of ggml's ne
     chunks: Callable[[], Iterable[Chunk]]
+    part: int | None = None           # split file this tensor must go to (None: the writer's limits decide)
 
     @property
     def nbytes(self) -> int:
@@ -69,14 +72,117 @@ def split_paths(out: Path, n_files: int) -> list[Path]:
     return [out.with_name(f"{out.stem}-{i + 1:05d}-of-{n_files:05d}.gguf") for i in range(n_files)]
 
 
+def check_output_paths(finals: list[Path], force: bool) -> None:
+    """The output's folder exists, no output is a folder, and none exists unless `force`."""
+    folder = finals[0].parent
+    if not folder.exists():
+        raise OutputError(f"{folder}: no such folder (create it first)")
+    if not folder.is_dir():
+        raise OutputError(f"{folder}: not a folder")
+    for p in finals:
+        if p.is_dir():
+            raise OutputError(f"{p}: is a folder; give the output file's name, e.g. {p / 'model.gguf'}")
+        if p.exists() and not force:
+            raise OutputError(f"{p}: already exists (use --force to overwrite)")
+
+
+def partial_dir(out: Path, pid: int | None = None) -> Path:
+    """The hidden folder beside `out` in which process `pid` (default: this one) writes it."""
+    return out.parent / f".{out.name}.partial-{os.getpid() if pid is None else pid}"
+
+
+def stale_partials(out: Path) -> list[Path]:
+    """Partial folders of `out` whose process is gone: what SIGKILL or a crash leaves behind."""
+    pattern = re.compile(rf"\.{re.escape(out.name)}\.partial-(\d+)")
+    try:
+        entries = list(out.parent.iterdir())
+    except OSError:
+        return []
+    return sorted(p for p in entries
+                  if (m := pattern.fullmatch(p.name)) and p.is_dir() and not _process_alive(int(m[1])))
+
+
+def _process_alive(pid: int) -> bool:
+    if pid == os.getpid():          # this run has not started writing: the folder is a dead namesake's
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:         # another user's live process
+        return True
+    return True
+
+
+def disk_bytes(folder: Path) -> int:
+    """Disk blocks used by the files under `folder` (a sparse file counts what it holds)."""
+    total = 0
+    for root, _, names in os.walk(folder):
+        for name in names:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+            except OSError:
+                pass
+    return total
+
+
+HEADROOM = 64 << 20           # header, KV data (the vocabulary) and alignment padding, beyond the tensors
+MIN_SPLIT_SIZE = 1_000_000    # 1M: the smallest size llama.cpp's gguf-split takes (it counts in M and G)
+
+
+def check_split_max_size(n: int, spelled: str | None = None) -> None:
+    """A split size under 1M is a slip (10 for 10G), not a wish for one file per tensor."""
+    if n < MIN_SPLIT_SIZE:
+        raise OutputError(f"--split-max-size {spelled or n}: must be at least 1M (1,000,000 bytes); "
+                          f"K, M, G and T count in powers of 1000")
+
+
+@dataclass
+class DiskRoom:
+    folder: Path
+    free: int                 # free now, plus what the stale partial folders to be removed hold
+    need: int                 # tensor bytes + HEADROOM
+
+    @property
+    def enough(self) -> bool:
+        return self.free >= self.need
+
+
+def disk_room(nbytes: int, out: Path, reclaimable: int = 0) -> DiskRoom:
+    """Room for `nbytes` of tensors beside `out` (+ HEADROOM for the header), counting what stale
+    partial folders that will be removed hold."""
+    folder = Path(out).parent.absolute()
+    return DiskRoom(folder, shutil.disk_usage(folder).free + reclaimable, nbytes + HEADROOM)
+
+
+def check_free_disk(room: DiskRoom) -> None:
+    if not room.enough:
+        raise DiskSpaceError(f"{room.folder}: not enough free disk: {room.need / 2**30:.2f} GiB needed "
+                             f"({room.need:,} bytes: the tensors + 64 MiB), {room.free / 2**30:.2f} GiB free "
+                             f"({room.free:,} bytes)")
+
+
+def remove_stale(stale: list[Path], log: Callable[[str], None]) -> None:
+    """Remove the partial folders of dead processes (stale_partials), saying so."""
+    for p in stale:
+        try:
+            shutil.rmtree(p)
+        except OSError as e:
+            raise OutputError(f"{p}: cannot remove this stale partial output ({e.strerror or e})") from None
+        log(f"removed {p}: a partial output of process {p.name.rsplit('-', 1)[1]}, which is gone")
+
+
 class GGUFStreamWriter:
-    """Collects metadata, then writes a (possibly split) GGUF from streamed tensors."""
+    """Collects metadata, then writes a (possibly split) GGUF from streamed tensors.
+
+    Every OSError of the writing ends as one OutputError naming the output (DiskSpaceError for
+    a full disk or quota), after the partial folder is removed."""
 
     def __init__(self, out: Path, arch: str, *, split_max_tensors: int = 0,
                  split_max_size: int = 0, force: bool = False):
         self.out = Path(out)
         self.force = force
-        self.tmp_dir = self.out.parent / f".{self.out.name}.partial-{os.getpid()}"
+        self.tmp_dir = partial_dir(self.out)
         self.meta = GGUFWriter(self.tmp_dir / self.out.name, arch,
                                split_max_tensors=split_max_tensors, split_max_size=split_max_size)
 
@@ -84,8 +190,11 @@ class GGUFStreamWriter:
         self.meta.add_key_value(key, value, vtype, sub_type)
 
     def plan_files(self, tensors: list[OutTensor]) -> list[list[OutTensor]]:
-        """Assign tensors to split files exactly as GGUFWriter will (it decides)."""
-        for t in tensors:
+        """Assign tensors to split files exactly as GGUFWriter will (it decides), except that a change of
+        `OutTensor.part` starts a new file (kimi-quantize --keep-split: one output per input part)."""
+        for prev, t in zip([None, *tensors], tensors):
+            if prev is not None and t.part is not None and t.part != prev.part:
+                self.meta.tensors.append({})
             self.meta.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=t.qtype)
         by_name = {t.name: t for t in tensors}
         return [[by_name[n] for n in part] for part in self.meta.tensors]
@@ -93,25 +202,27 @@ class GGUFStreamWriter:
     def write(self, tensors: list[OutTensor], on_bytes: Callable[[int], None] = lambda n: None) -> list[Path]:
         files = self.plan_files(tensors)
         finals = split_paths(self.out, len(files))
-        clash = [p for p in finals if p.exists()]
-        if clash and not self.force:
-            raise OutputError(f"{clash[0]}: already exists (use --force to overwrite)")
-        if self.tmp_dir.exists():
-            shutil.rmtree(self.tmp_dir)
-        self.tmp_dir.mkdir(parents=True)
+        check_output_paths(finals, self.force)
         try:
-            temps = self._write_all(files, on_bytes)
-            for tmp, final in zip(temps, finals):
-                os.replace(tmp, final)
+            if self.tmp_dir.exists():
+                shutil.rmtree(self.tmp_dir)
+            self.tmp_dir.mkdir()
+            _commit(self._write_all(files, on_bytes), finals)
         except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-                raise OutputError(f"{self.out}: disk full while writing ({os.strerror(e.errno)}); "
-                                  f"nothing was written") from None
-            raise
+            raise self._write_error(e) from None
         finally:
             self._close_quietly()
             shutil.rmtree(self.tmp_dir, ignore_errors=True)
         return finals
+
+    def _write_error(self, e: OSError) -> OutputError:
+        reason = os.strerror(e.errno) if e.errno else str(e)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return DiskSpaceError(f"{self.out}: disk full while writing ({reason}); nothing was written")
+        if e.errno == errno.EFBIG:
+            return OutputError(f"{self.out}: larger than the file system or the file size limit (ulimit -f) "
+                               f"allows ({reason}); nothing was written")
+        return OutputError(f"{self.out}: cannot write ({reason}); nothing was written")
 
     def _close_quietly(self) -> None:
         """Close every part even if flushing one fails (a full disk fails them all)."""
@@ -145,6 +256,18 @@ class GGUFStreamWriter:
         return temps
 
 
+def _commit(temps: list[Path], finals: list[Path]) -> None:
+    """Rename the finished parts into place: all of them, or (a failure, a signal) none."""
+    try:
+        for tmp, final in zip(temps, finals):
+            os.replace(tmp, final)
+    except BaseException:
+        for tmp, final in zip(temps, finals):
+            if not tmp.exists():            # renamed already
+                final.unlink(missing_ok=True)
+        raise
+
+
 class Prefetch:
     """Runs the tensors' chunk producers (reads, casts, MXFP4 repacks) one step ahead in a thread.
 
@@ -167,6 +290,10 @@ class Prefetch:
                         return
                 if not self._put((t.name, self._END)):
                     return
+        except OSError as e:            # producers only read: the source's fault, not the output's
+            what = f"{e.filename}: cannot read the data of {t.name}" if e.filename else \
+                f"{t.name}: cannot read its source data"
+            self._put((None, CheckpointError(f"{what} ({e.strerror or e})")))
         except BaseException as e:      # handed to the writer, which raises it
             self._put((None, e))
 
@@ -198,12 +325,16 @@ class Prefetch:
         self.thread.join()
 
 
+# how a file system (tmpfs, some FUSE and network ones) or a limit refuses an O_DIRECT open or write
+DIRECT_REFUSED = (errno.EINVAL, errno.EOPNOTSUPP)
+
+
 def open_sink(fout) -> "DirectSink | BufferedSink":
     """Tensor data goes around the page cache (O_DIRECT) where the file system allows it."""
     try:
         return DirectSink(fout)
     except OSError as e:            # e.g. tmpfs refuses O_DIRECT with EINVAL
-        if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+        if e.errno not in DIRECT_REFUSED:
             raise
         return BufferedSink(fout)
 
@@ -239,6 +370,11 @@ class DirectSink:
     file offset of the first data byte is rarely page-aligned, so the staging starts with the
     page of header bytes in front of it, and the last partial page is written zero-padded and
     the file truncated back to its length.
+
+    A write that O_DIRECT refuses (EINVAL: a file system that takes the flag at open but not
+    the write, or a file size limit that is not a multiple of the page) or cuts short is done
+    again, and every later one, with plain buffered writes: they either succeed or fail with
+    the real reason (EFBIG, ENOSPC).
     """
     PAGE = 4096
     STAGE = 32 << 20
@@ -248,6 +384,7 @@ class DirectSink:
         fout.flush()
         self.fout, pos = fout, fout.tell()
         self.fd = os.open(fout.name, os.O_WRONLY | os.O_DIRECT)
+        self.direct = True
         self.file_off = pos - pos % self.PAGE          # where the current buffer lands
         self.free: queue.Queue = queue.Queue()
         for _ in range(self.BUFFERS):
@@ -293,8 +430,12 @@ class DirectSink:
         offset, left = r.offset, r.length
         while left:
             view = memoryview(self.buf)[self.fill:self.fill + min(left, self.STAGE - self.fill)]
-            n = os.preadv(src, [view], offset)
-            view.release()
+            try:
+                n = os.preadv(src, [view], offset)
+            except OSError as e:
+                raise CheckpointError(f"{r.path}: cannot read ({e.strerror or e})") from None
+            finally:
+                view.release()
             if n == 0:
                 raise CheckpointError(f"{r.path}: ends before byte {offset + left} (truncated shard?)")
             self.fill, offset, left = self.fill + n, offset + n, left - n
@@ -314,14 +455,29 @@ class DirectSink:
             buf, n, offset = item
             try:
                 if self.error is None:
-                    length = -(-n // self.PAGE) * self.PAGE       # whole pages; the tail is zeros
-                    buf[n:length] = bytes(length - n)
-                    with memoryview(buf) as view:
-                        if os.pwrite(self.fd, view[:length], offset) != length:   # only when out of room
-                            raise OSError(errno.ENOSPC, "short write")
+                    self._write(buf, n, offset)
             except BaseException as e:      # raised in the writer's thread at the next submit
                 self.error = e
             self.free.put(buf)
+
+    def _write(self, buf: mmap.mmap, n: int, offset: int) -> None:
+        with memoryview(buf) as view:
+            if self.direct:
+                length = -(-n // self.PAGE) * self.PAGE       # whole pages; the tail is zeros
+                buf[n:length] = bytes(length - n)
+                try:
+                    if os.pwrite(self.fd, view[:length], offset) == length:
+                        return
+                except OSError as e:
+                    if e.errno not in DIRECT_REFUSED:
+                        raise
+                self._fall_back_to_buffered()
+            _pwrite_all(self.fd, view[:n], offset)
+
+    def _fall_back_to_buffered(self) -> None:
+        os.close(self.fd)
+        self.fd = os.open(self.fout.name, os.O_WRONLY)
+        self.direct = False
 
     def __enter__(self):
         return self
@@ -341,6 +497,15 @@ class DirectSink:
         finally:
             os.close(self.fd)
         self.fout.seek(end)
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """Write all of data; a short write is retried, so a full disk ends in its own error."""
+    while len(data):
+        n = os.pwrite(fd, data, offset)
+        if n == 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        data, offset = data[n:], offset + n
 
 
 class _Writeback:
@@ -384,7 +549,10 @@ class SourceFiles:
 
     def fd(self, path: Path) -> int:
         if path not in self.fds:
-            self.fds[path] = os.open(path, os.O_RDONLY)
+            try:
+                self.fds[path] = os.open(path, os.O_RDONLY)
+            except OSError as e:
+                raise CheckpointError(f"{path}: cannot open ({e.strerror or e})") from None
         return self.fds[path]
 
     def __enter__(self):
@@ -433,6 +601,26 @@ def copy_range(fout, r: FileRange, src: int) -> int:
 
 _SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
+Shape = tuple[int, ...]
+ValueTypes = tuple[GGUFValueType, Union[GGUFValueType, None]]     # (type, array element type)
+
+
+def same_shape(stored: Shape, expected: Shape) -> bool:
+    """Equal up to leading 1s in numpy order, i.e. trailing 1-dimensions in ggml order.
+
+    A GGUF tensor header holds ggml_n_dims(t) dimensions, which leaves out trailing ne of 1:
+    llama-quantize writes our conv [ne 4, 1, 256, 1] as [4, 1, 256]. llama.cpp's loader reads
+    both as the same tensor, and so must we.
+    """
+    return _without_leading_ones(stored) == _without_leading_ones(expected)
+
+
+def _without_leading_ones(shape: Shape) -> Shape:
+    shape = tuple(int(x) for x in shape)
+    while len(shape) > 1 and shape[0] == 1:
+        shape = shape[1:]
+    return shape
+
 
 @dataclass
 class GGUFTensor:
@@ -454,16 +642,98 @@ class GGUFTensor:
         """Dequantised values in numpy shape (gguf.quants does every type we write)."""
         return np.asarray(dequantize(self.raw, self.qtype), dtype=np.float32).reshape(self.shape)
 
+    def as_shape(self, shape: Shape) -> "GGUFTensor":
+        """The same stored tensor seen with `shape`, which must be `same_shape` as its own."""
+        shape = tuple(int(x) for x in shape)
+        if shape == self.shape:
+            return self
+        if not same_shape(self.shape, shape):
+            raise ValueError(f"{self.name}: shape {list(self.shape)} is not {list(shape)}")
+        # only leading 1s differ, so the last axis (values, or bytes per row) stays as stored
+        return replace(self, shape=shape, raw=self.raw.reshape(shape[:-1] + self.raw.shape[-1:]))
+
 
 @dataclass
 class GGUFFile:
     paths: list[Path]
     fields: dict[str, Any]
     tensors: dict[str, GGUFTensor]
+    types: dict[str, ValueTypes] = field(default_factory=dict)     # how each field is stored
 
     @property
     def arch(self) -> str:
         return self.fields.get("general.architecture", "")
+
+    def with_shapes(self, shapes: dict[str, Shape]) -> "GGUFFile":
+        """This file with every tensor that is `same_shape` as its entry in `shapes` given exactly
+        that shape; any other tensor keeps its stored shape, for the caller to judge."""
+        tensors = {name: t.as_shape(shapes[name]) if name in shapes and same_shape(t.shape, shapes[name]) else t
+                   for name, t in self.tensors.items()}
+        return replace(self, tensors=tensors)
+
+
+class _Reader(GGUFReader):
+    """gguf's reader, with a clear error for a file that ends before its header says it does.
+
+    gguf's own reader slices the memory map past the end and fails later, in a numpy reshape
+    ("cannot reshape array of size ..."), which does not say what is wrong.
+    """
+
+    def _build_tensors(self, start_offs: int, fields: list) -> None:
+        for f in fields:
+            _, name, _, dims, raw_type, offset = f.parts
+            try:
+                block, size = GGML_QUANT_SIZES[QT(int(raw_type[0]))]
+            except (ValueError, KeyError):
+                continue                        # an unknown type: gguf's reader names it
+            end = int(start_offs) + int(offset[0]) + int(np.prod(dims, dtype=np.int64)) * size // block
+            if end > len(self.data):
+                raise _Truncated(f"truncated: tensor {bytes(name).decode('utf-8', 'replace')} ends at byte "
+                                 f"{end}, the file has {len(self.data)} bytes")
+        super()._build_tensors(start_offs, fields)
+
+    def _get(self, offset: int, dtype, count: int = 1, override_order=None):
+        end = int(offset) + np.dtype(dtype).itemsize * int(count)
+        if end > len(self.data):
+            raise _Truncated(f"truncated: the header goes on past byte {len(self.data)}, the end of the file")
+        return super()._get(offset, dtype, count, override_order)
+
+
+class _Truncated(ValueError):
+    pass
+
+
+def read_gguf(path: Path) -> GGUFReader:
+    """gguf's reader over one file; an unreadable file is a CheckpointError that says why."""
+    try:
+        if Path(path).stat().st_size == 0:
+            raise CheckpointError(f"{path}: empty file, not a GGUF")
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise CheckpointError(f"{path}: not a GGUF file (it does not start with the GGUF magic)")
+        return _Reader(path, "r")
+    except _Truncated as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    except (ValueError, KeyError, IndexError, OSError) as e:
+        raise CheckpointError(f"{path}: not a readable GGUF file ({e})") from None
+
+
+def read_fields(reader: GGUFReader) -> dict[str, Any]:
+    out = {}
+    for name, f in reader.fields.items():
+        if name.startswith("GGUF."):
+            continue
+        out[name] = f.contents()
+    return out
+
+
+def read_types(reader: GGUFReader) -> dict[str, ValueTypes]:
+    out = {}
+    for name, f in reader.fields.items():
+        if not name.startswith("GGUF."):
+            main = GGUFValueType(f.types[0])
+            out[name] = (main, GGUFValueType(f.types[-1]) if main == GGUFValueType.ARRAY else None)
+    return out
 
 
 def gguf_parts(path: Path) -> list[Path]:
@@ -480,34 +750,25 @@ def gguf_parts(path: Path) -> list[Path]:
     return parts
 
 
-def read_fields(reader: GGUFReader) -> dict[str, Any]:
-    out = {}
-    for name, f in reader.fields.items():
-        if name.startswith("GGUF."):
-            continue
-        out[name] = f.contents()
-    return out
-
-
 def open_gguf(path: Path) -> GGUFFile:
     """Memory-map a GGUF (all parts of a split one): metadata and tensors by name."""
     parts = gguf_parts(Path(path))
     fields: dict[str, Any] = {}
+    types: dict[str, ValueTypes] = {}
     tensors: dict[str, GGUFTensor] = {}
     for p in parts:
-        try:
-            reader = GGUFReader(p, "r")
-        except (ValueError, OSError) as e:
-            raise CheckpointError(f"{p}: not a readable GGUF file ({e})") from None
+        reader = read_gguf(p)
         for k, v in read_fields(reader).items():
             fields.setdefault(k, v)
+        for k, v in read_types(reader).items():
+            types.setdefault(k, v)
         for t in reader.tensors:
             shape = tuple(int(x) for x in reversed(t.shape.tolist()))
             tensors[t.name] = GGUFTensor(t.name, QT(t.tensor_type), shape, t.data, p, int(t.data_offset))
     expected = fields.get("split.tensors.count")
     if expected is not None and expected != len(tensors):
         raise CheckpointError(f"{parts[0]}: split.tensors.count is {expected} but the parts hold {len(tensors)}")
-    return GGUFFile(parts, fields, tensors)
+    return GGUFFile(parts, fields, tensors, types)
 
 
 def iter_chunks_of(t: GGUFTensor, chunk: int = COPY_CHUNK) -> Iterator[FileRange]:

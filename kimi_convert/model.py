@@ -270,7 +270,8 @@ def _gguf_metadata(c: KimiConfig) -> list[tuple[str, Any, VT, VT | None]]:
         (Key.FEED_FORWARD_LENGTH, c.n_ff, u32, None),
         (Key.VOCAB_SIZE, c.n_vocab, u32, None),
         (Key.HEAD_COUNT, c.n_head, u32, None),
-        (Key.HEAD_COUNT_KV, [1 if c.is_mla(i) else 0 for i in range(c.n_layer)], VT.ARRAY, VT.UINT32),
+        # INT32 elements: llama.cpp's converter writes Python int lists so (GGUFValueType.get_type)
+        (Key.HEAD_COUNT_KV, [1 if c.is_mla(i) else 0 for i in range(c.n_layer)], VT.ARRAY, VT.INT32),
         (Key.RMS_EPS, c.rms_eps, f32, None),
         (Key.EXPERT_COUNT, c.n_expert, u32, None),
         (Key.EXPERT_USED_COUNT, c.n_expert_used, u32, None),

@@ -13,6 +13,10 @@ verifier compares against a llama.cpp-semantics runtime:
   * the KDA q/k L2 norm is x / sqrt(sum x^2 + rms_norm_eps),
   * the residual / AttnRes stream stays in float32 (HF rounds it to bf16).
 
+A quantized GGUF is checked against this reference run on the file's own weights: `weight_overrides`
+hands the model, per HF tensor name, the values to use instead of the stored ones (kimi-verify passes the
+file's dequantized tensors, mapped back to HF names and layout). Everything else is read from the checkpoint.
+
 Public API: `ReferenceModel`, `dequantize_mxfp4`, `E2M1_VALUES`.
 """
 
@@ -23,6 +27,7 @@ import math
 import os
 import re
 from dataclasses import dataclass
+from typing import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -84,11 +89,18 @@ def _canonical_suffix(suffix: str) -> str:
     return suffix
 
 
+# HF tensor name -> rows (a slice, or None for all) of the float32 values to use instead of the stored tensor,
+# in the stored tensor's shape (a numpy array or a tensor). An MXFP4 expert is named by its `weight_packed`
+# and stands for the decoded matrix [rows, cols].
+WeightOverrides = Mapping[str, Callable[[slice | None], object]]
+
+
 class _Checkpoint:
     """Name-resolving, lazily-opening reader over the safetensors shards."""
 
-    def __init__(self, hf_dir: str):
+    def __init__(self, hf_dir: str, overrides: WeightOverrides | None = None):
         self.dir = hf_dir
+        self.overrides = dict(overrides or {})
         index_path = os.path.join(hf_dir, "model.safetensors.index.json")
         if os.path.exists(index_path):
             with open(index_path) as f:
@@ -140,7 +152,9 @@ class _Checkpoint:
         return self._handles[shard]
 
     def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
-        """Stored tensor; float types come back as float32, U8 stays U8."""
+        """Stored tensor (or its override); float types come back as float32, U8 stays U8."""
+        if name in self.overrides:
+            return torch.as_tensor(self.overrides[name](rows), dtype=torch.float32)
         f = self._file(name)
         t = f.get_tensor(name) if rows is None else f.get_slice(name)[rows]
         return t if t.dtype == torch.uint8 else t.to(torch.float32)
@@ -490,6 +504,8 @@ class ReferenceModel:
         hf_mla_eps: use HF's eps=1e-6 for the q_a / kv_a RMSNorms. Default False = rms_norm_eps, as llama.cpp.
         use_indexer: False runs K3.1's DSA layers as plain dense causal MLA (indexer ignored).
         cache_weights: keep decoded fp32 weights between calls. None = only for checkpoints <= 4 GiB.
+        weight_overrides: HF name -> rows of float32 values used instead of that stored tensor (see
+            WeightOverrides); every name must be a tensor of the checkpoint.
 
     After each forward, `last_routing_margins` is
         {"moe": {layer: Tensor[T]}, "dsa": {layer: Tensor[T]}}   (0-based layer ids)
@@ -506,12 +522,16 @@ class ReferenceModel:
         hf_mla_eps: bool = False,
         use_indexer: bool = True,
         cache_weights: bool | None = None,
+        weight_overrides: WeightOverrides | None = None,
     ):
         self.hf_dir = str(hf_dir)
         with open(os.path.join(self.hf_dir, "config.json")) as f:
             self.raw_config = json.load(f)
         self.cfg = ReferenceConfig.from_hf(self.raw_config)
-        self.ckpt = _Checkpoint(self.hf_dir)
+        self.ckpt = _Checkpoint(self.hf_dir, weight_overrides)
+        unknown = sorted(set(self.ckpt.overrides) - set(self.ckpt.weight_map))
+        if unknown:
+            raise KeyError(f"weight_overrides: {unknown[0]!r} is not a tensor of {self.hf_dir}")
         self.mla_eps = 1e-6 if hf_mla_eps else self.cfg.rms_norm_eps
         if top_k_override is not None and top_k_override < 1:
             raise ValueError("top_k_override must be >= 1")
@@ -569,7 +589,9 @@ class ReferenceModel:
             names = table.get((e, wk))
             if names is None:
                 raise KeyError(f"layer {il}: expert {e} {wk} not in checkpoint")
-            if "weight_packed" in names:
+            if names.get("weight_packed") in self.ckpt.overrides:     # the decoded matrix, given
+                mats.append(self.ckpt.read(names["weight_packed"]))
+            elif "weight_packed" in names:
                 if "weight_scale" not in names:
                     raise KeyError(f"layer {il}: expert {e} {wk}.weight_scale missing")
                 mats.append(dequantize_mxfp4(self.ckpt.read(names["weight_packed"]),

@@ -4,7 +4,9 @@ The spec is k3-gguf-and-math.md §3 (forward pass) and k31-indexer.md (the K3.1 
 indexer). Everything runs in float32 like ggml's CPU ops with an f32 KV cache; only
 reductions that ggml itself sums in double (RMSNorm's mean of squares, softmax and row
 sums) use float64 before rounding back to float32. Activations are not rounded to the
-weights' vec_dot type (bf16/q8_0), so on non-F32 files llama.cpp differs by that rounding.
+weights' vec_dot type (bf16/q8_0), so on non-F32 files llama.cpp differs by that rounding;
+`llama_cpp_rounding` turns on that rounding and ggml's summation order for the weight
+matmuls (kimi_convert/ggml_cpu.py).
 
 Memory: the file stays memory-mapped and every weight is dequantised when it is used and
 dropped right after (`Weights`). Token embeddings are read row by row, `output` in row
@@ -19,23 +21,43 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
-from gguf import GGMLQuantizationType as QT
-from gguf.quants import dequantize, quantize
+from gguf.quants import dequantize
 
-from .checkpoint import bf16_to_f32, f32_to_bf16
+from . import ggml_cpu
 from .constants import T, tname
 from .errors import CheckpointError
 from .gguf_io import GGUFFile, open_gguf
 from .model import KimiConfig
+from .tensor_map import gguf_tensors
 
-F32 = np.float32
+F32, F64 = np.float32, np.float64
 OUTPUT_CHUNK_ROWS = 8192       # rows of `output` / vocab dequantised at a time
 
 
 # ------------------------------------------------------------------------------------
 # primitive ops, with ggml's CPU semantics
+#
+# exp, log, tanh and the products that involve no weight (attention, the KDA state, the indexer) are
+# computed in float64 and rounded once to f32. numpy's float32 SIMD kernels and OpenBLAS's sgemm are picked
+# per CPU at run time and differ in the last bit between CPUs; rounded from float64, the f32 result is the
+# same on every CPU unless the float64 value lies within ~1e-16 (relative) of an f32 rounding midpoint.
+
+def exp(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return np.exp(np.asarray(x, F64)).astype(F32)
+
+
+def tanh(x: np.ndarray) -> np.ndarray:
+    return np.tanh(np.asarray(x, F64)).astype(F32)
+
+
+def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a @ b of f32 activations, as f32 (see above)."""
+    return (np.asarray(a, F64) @ np.asarray(b, F64)).astype(F32)
+
 
 def rms_norm(x: np.ndarray, eps: float) -> np.ndarray:
     """x / sqrt(mean(x^2) + eps) over the last axis; ggml sums the f32 squares in double."""
@@ -58,8 +80,7 @@ def l2_norm(x: np.ndarray, eps: float) -> np.ndarray:
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):
-        return F32(1) / (F32(1) + np.exp(-x))
+    return F32(1) / (F32(1) + exp(-x))
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -68,13 +89,12 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 def softplus(x: np.ndarray) -> np.ndarray:
     """ggml_softplus: log(1 + exp(x)), and x itself above 20 (where they agree in f32)."""
-    with np.errstate(over="ignore"):
-        return np.where(x > 20, x, np.log(F32(1) + np.exp(x))).astype(F32)
+    return np.where(x > 20, x, np.log((F32(1) + exp(x)).astype(F64))).astype(F32)
 
 
 def softmax(x: np.ndarray) -> np.ndarray:
     """Softmax over the last axis; -inf entries get probability 0. The sum is in double, as in ggml."""
-    e = np.exp(x - x.max(-1, keepdims=True))
+    e = exp(x - x.max(-1, keepdims=True))
     total = e.sum(-1, keepdims=True, dtype=np.float64)
     return e * (1.0 / total).astype(F32)
 
@@ -91,14 +111,34 @@ class Weights:
     """
 
     def __init__(self, gf: GGUFFile, il: int | None = None, loaded: set | None = None,
-                 llama_cpp_rounding: bool = False):
+                 llama_cpp_target: str | None = None, hook: "MatmulHook | None" = None):
         self.gf, self.il = gf, il
         self.loaded_experts = loaded if loaded is not None else set()
-        self.llama_cpp_rounding = llama_cpp_rounding
+        self.llama_cpp_target = llama_cpp_target
+        self.hook = hook
 
-    def input_for(self, template: str, x: np.ndarray) -> np.ndarray:
-        """x as ggml's mul_mat sees it against this weight (unchanged unless emulating llama.cpp)."""
-        return ggml_vec_dot_input(x, self.tensor(template).qtype) if self.llama_cpp_rounding else x
+    def matmul(self, template: str, x: np.ndarray, w: np.ndarray | None = None, *, key: int = 0,
+               src1_contiguous: bool = True) -> np.ndarray:
+        """ggml_mul_mat(W, x) = x @ W.T for x [T, K]; W is the tensor (or `w`, rows of it) in numpy order.
+
+        With a llama.cpp target, in that build's rounding and summation order (ggml_cpu.mul_mat). key tells
+        the calls of one tensor apart for the hook (the head, for attn_k_b / attn_v_b).
+        """
+        w = self(template) if w is None else w
+        if self.hook is not None:
+            x = self.hook(self.name(template), key, x)
+        if self.llama_cpp_target is None:
+            return x @ w.T
+        return ggml_cpu.mul_mat(x, w, self.tensor(template).qtype, self.llama_cpp_target,
+                                src1_contiguous=src1_contiguous)
+
+    def expert_matvec(self, template: str, w: np.ndarray, x: np.ndarray, position: int, expert: int) -> np.ndarray:
+        """One token's row of ggml_mul_mat_id with expert matrix w [M, K]: w @ x."""
+        if self.hook is not None:
+            x = self.hook(self.name(template), (int(position), int(expert)), x)
+        if self.llama_cpp_target is None:
+            return w @ x
+        return ggml_cpu.mul_mat_id_row(x, w, self.tensor(template).qtype, self.llama_cpp_target)
 
     def name(self, template: str) -> str:
         return tname(template, self.il)
@@ -137,39 +177,7 @@ def _outer_slices(t) -> np.ndarray:
 
 def linear(w: Weights, template: str, x: np.ndarray) -> np.ndarray:
     """ggml_mul_mat(W, x): y = W_np @ x, for every row of x."""
-    return w.input_for(template, x) @ w(template).T
-
-
-# ggml's CPU mul_mat first converts the f32 activation to the weight type's "vec_dot type"
-# (ggml-cpu.c type_traits): f32 stays f32, bf16/f16 weights see bf16/f16 activations, the
-# 32-blocks (Q4_0..Q8_0, MXFP4, IQ4_NL) see Q8_0 and the K-/IQ-quants see Q8_K. Emulating it
-# is what lets a non-F32 file be compared with llama.cpp position by position.
-_Q8_0_DOT = {QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.MXFP4, QT.IQ4_NL}
-_Q8_K_DOT = {QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_XS, QT.IQ2_XXS, QT.IQ2_XS,
-             QT.IQ2_S, QT.IQ3_XXS, QT.IQ3_S, QT.IQ1_S, QT.IQ1_M}
-
-
-def ggml_vec_dot_input(x: np.ndarray, weight_type: QT) -> np.ndarray:
-    if weight_type == QT.BF16:
-        return bf16_to_f32(f32_to_bf16(x)).reshape(x.shape)
-    if weight_type == QT.F16:
-        return x.astype(np.float16).astype(F32)
-    if weight_type in _Q8_0_DOT:
-        return np.asarray(dequantize(quantize(np.ascontiguousarray(x, F32), QT.Q8_0), QT.Q8_0), F32).reshape(x.shape)
-    if weight_type in _Q8_K_DOT:
-        return q8_k_roundtrip(x)
-    return x
-
-
-def q8_k_roundtrip(x: np.ndarray) -> np.ndarray:
-    """ggml's quantize_row_q8_K: per 256, scale by the signed extreme, round to int8, f32 scale."""
-    b = np.ascontiguousarray(x, F32).reshape(-1, 256)
-    extreme = np.take_along_axis(b, np.abs(b).argmax(axis=1)[:, None], axis=1)
-    with np.errstate(divide="ignore"):
-        iscale = np.where(extreme == 0, F32(0), F32(-127) / extreme).astype(F32)
-    q = np.minimum(np.rint(b * iscale), 127)
-    d = np.where(iscale == 0, F32(0), F32(1) / np.where(iscale == 0, F32(1), iscale)).astype(F32)
-    return (q * d).astype(F32).reshape(x.shape)
+    return w.matmul(template, x)
 
 
 # ------------------------------------------------------------------------------------
@@ -231,13 +239,13 @@ def delta_rule(q, k, v, g, beta) -> np.ndarray:
     S = np.zeros((H, D, D), F32)
     out = np.empty_like(v)
     scale = F32(1 / math.sqrt(D))
-    alpha = np.exp(g)
+    alpha = exp(g)
     for t in range(n_tok):
         S = S * alpha[t][:, :, None]                                # decay along the key axis
-        kS = (k[t][:, None, :] @ S)[:, 0]                           # S^T k  [H, D]
+        kS = matmul(k[t][:, None, :], S)[:, 0]                      # S^T k  [H, D]
         delta = (v[t] - kS) * beta[t][:, None]
         S = S + k[t][:, :, None] * delta[:, None, :]
-        out[t] = (q[t][:, None, :] @ S)[:, 0] * scale
+        out[t] = matmul(q[t][:, None, :], S)[:, 0] * scale
     return out
 
 
@@ -283,7 +291,7 @@ def lightning_indexer(h: np.ndarray, c_q: np.ndarray, w: Weights, cfg: KimiConfi
     q = linear(w, T.INDEXER_Q_B, c_q).reshape(n_tok, ix.n_head, ix.head_dim)
     k = layer_norm(linear(w, T.INDEXER_K, h), ix.norm_eps) * w(T.INDEXER_K_NORM) + w(T.INDEXER_K_NORM_BIAS)
     wts = linear(w, T.INDEXER_PROJ, h) * F32(1 / math.sqrt(ix.head_dim * ix.n_head))
-    dots = np.maximum(q.transpose(1, 0, 2) @ k.T, F32(0))                 # [H_I, T, T]
+    dots = np.maximum(matmul(q.transpose(1, 0, 2), k.T), F32(0))          # [H_I, T, T]
     score = np.zeros((n_tok, n_tok), F32)
     for hh in range(ix.n_head):                      # sequential over heads, as the fused op sums
         score = score + dots[hh] * wts[:, hh:hh + 1]
@@ -318,13 +326,15 @@ def mla(h: np.ndarray, w: Weights, cfg: KimiConfig, c_q: np.ndarray | None,
     ckv = linear(w, T.ATTN_KV_A_MQA, h)
     c = rms_norm(ckv[:, :r], cfg.rms_eps) * w(T.ATTN_KV_A_NORM)           # latent, normed
     kp = ckv[:, r:]                                                         # NoPE: not rotated
-    qa = w.input_for(T.ATTN_K_B, q[:, :, :d_n]) @ w(T.ATTN_K_B).transpose(0, 2, 1)   # k_b[h] @ qn
+    k_b = w(T.ATTN_K_B)                             # [H, r, d_n]; ggml's src1 is a permuted view of q
+    qa = np.stack([w.matmul(T.ATTN_K_B, q[h, :, :d_n], k_b[h], key=h, src1_contiguous=False) for h in range(H)])
     Q = np.concatenate([qa, q[:, :, d_n:]], axis=-1)
     K = np.concatenate([c, kp], axis=-1)                                    # the single KV head
-    scores = (Q @ K.T) * F32(1 / math.sqrt(d_n + d_r))
+    scores = matmul(Q, K.T) * F32(1 / math.sqrt(d_n + d_r))
     p = softmax(np.where(keep, scores, F32(-np.inf)))                       # [H, T, T]
-    u = p @ c                                                               # V = the latent itself
-    o = (w.input_for(T.ATTN_V_B, u) @ w(T.ATTN_V_B).transpose(0, 2, 1)).transpose(1, 0, 2)  # v_b[h] @ u
+    u = matmul(p, c)                                                        # V = the latent itself
+    v_b = w(T.ATTN_V_B)                             # [H, d_v, r]
+    o = np.stack([w.matmul(T.ATTN_V_B, u[h], v_b[h], key=h) for h in range(H)]).transpose(1, 0, 2)
     o = o.reshape(n_tok, H * cfg.v_head_dim)
     if w.has(T.ATTN_GATE):                        # the gate reads the normed layer input
         o = o * sigmoid(linear(w, T.ATTN_GATE, h))
@@ -336,9 +346,9 @@ def mla(h: np.ndarray, w: Weights, cfg: KimiConfig, c_q: np.ndarray | None,
 
 def situ(g: np.ndarray, u: np.ndarray, beta: float, linear_beta: float) -> np.ndarray:
     """beta tanh(g/beta) sigma(g) * U, U = lb tanh(u/lb) when lb > 0 (else u)."""
-    a = np.tanh(g * F32(1 / beta)) * F32(beta) * sigmoid(g)
+    a = tanh(g * F32(1 / beta)) * F32(beta) * sigmoid(g)
     if linear_beta > 0:
-        u = np.tanh(u * F32(1 / linear_beta)) * F32(linear_beta)
+        u = tanh(u * F32(1 / linear_beta)) * F32(linear_beta)
     return a * u
 
 
@@ -379,9 +389,9 @@ def routed_experts(z: np.ndarray, sel: np.ndarray, wts: np.ndarray, w: Weights, 
     for e in np.unique(sel):
         gate, up, down = (w.expert(n, e) for n in (T.FFN_GATE_EXPS, T.FFN_UP_EXPS, T.FFN_DOWN_EXPS))
         for t, slot in zip(*np.nonzero(sel == e)):
-            zt = w.input_for(T.FFN_GATE_EXPS, z[t])
-            act = situ(gate @ zt, up @ zt, cfg.situ_beta, cfg.situ_linear_beta)
-            per_slot[slot, t] = (down @ w.input_for(T.FFN_DOWN_EXPS, act)) * wts[t, slot]
+            act = situ(w.expert_matvec(T.FFN_GATE_EXPS, gate, z[t], t, e),
+                       w.expert_matvec(T.FFN_UP_EXPS, up, z[t], t, e), cfg.situ_beta, cfg.situ_linear_beta)
+            per_slot[slot, t] = w.expert_matvec(T.FFN_DOWN_EXPS, down, act, t, e) * wts[t, slot]
         del gate, up, down
     y = per_slot[0]
     for j in range(1, k):                          # added slot by slot, as ggml aggregates
@@ -407,6 +417,17 @@ def latent_moe(x: np.ndarray, w: Weights, cfg: KimiConfig) -> tuple[np.ndarray, 
 
 # ------------------------------------------------------------------------------------
 # the runtime
+
+class MatmulHook(Protocol):
+    """Sees (and may replace) the f32 input x of every weight matmul before it is rounded and multiplied.
+
+    name is the GGUF tensor; key is 0, the head (attn_k_b / attn_v_b), or (position, expert) for a routed
+    expert's row. Used to compare the runtime with llama.cpp's own matmul inputs
+    (kimi_convert.interop.tie_breaks).
+    """
+
+    def __call__(self, name: str, key: int | tuple[int, int], x: np.ndarray) -> np.ndarray: ...
+
 
 @dataclass
 class RoutingMargins:
@@ -449,14 +470,24 @@ class RoutingMargins:
 class Runtime:
     """Executes a kimi-k3 / kimi-k31 GGUF file; see the module docstring."""
 
-    def __init__(self, path, *, top_k: int | None = None, llama_cpp_rounding: bool = False):
-        """top_k overrides the file's indexer top_k; llama_cpp_rounding rounds every matmul input
-        as ggml's CPU backend does for the weight's type (see ggml_vec_dot_input), to compare a
-        BF16 or MXFP4 file with llama.cpp position by position."""
-        self.llama_cpp_rounding = llama_cpp_rounding
+    def __init__(self, path, *, top_k: int | None = None, llama_cpp_rounding: bool | str = False,
+                 matmul_hook: MatmulHook | None = None):
+        """top_k overrides the file's indexer top_k; matmul_hook sees every weight matmul's input.
+
+        llama_cpp_rounding computes the weight matmuls as a llama.cpp build does, to compare a BF16 or
+        MXFP4 file with it position by position: True or ggml_cpu.X86_AVX2 for llama-cpp-python as
+        .ci/install-interop.sh pins it (activation rounding and summation order), ggml_cpu.WASM for
+        wllama (activation rounding only). See kimi_convert/ggml_cpu.py."""
+        target = ggml_cpu.X86_AVX2 if llama_cpp_rounding is True else llama_cpp_rounding or None
+        if target is not None and target not in ggml_cpu.TARGETS:
+            raise ValueError(f"llama_cpp_rounding must be a bool or one of {ggml_cpu.TARGETS}, not {llama_cpp_rounding!r}")
+        self.llama_cpp_target = target
+        self.matmul_hook = matmul_hook
         self.path = Path(path)
-        self.gf = open_gguf(self.path)
-        cfg = KimiConfig.from_gguf(self.gf.fields)
+        gf = open_gguf(self.path)
+        cfg = KimiConfig.from_gguf(gf.fields)
+        # a tensor stored without its trailing ggml 1-dims (llama-quantize's) is read in our shape
+        self.gf = gf.with_shapes({name: shape for name, (_, shape) in gguf_tensors(cfg).items()})
         self.cfg = cfg.with_top_k(top_k) if top_k is not None else cfg
         self.routing_margins = RoutingMargins()
         self.loaded_experts: set[tuple[int, int]] = set()
@@ -470,7 +501,7 @@ class Runtime:
         w = self.weights(None)
         for a in range(0, out.shape[0], OUTPUT_CHUNK_ROWS):
             rows = slice(a, min(a + OUTPUT_CHUNK_ROWS, out.shape[0]))
-            logits[:, rows] = w.input_for(T.OUTPUT, y) @ w.rows(T.OUTPUT, rows).T
+            logits[:, rows] = w.matmul(T.OUTPUT, y, w.rows(T.OUTPUT, rows))
         return logits
 
     def hidden(self, token_ids) -> np.ndarray:
@@ -502,7 +533,7 @@ class Runtime:
         return rms_norm(y, eps) * g(T.OUTPUT_NORM)
 
     def weights(self, il: int | None) -> Weights:
-        return Weights(self.gf, il, self.loaded_experts, self.llama_cpp_rounding)
+        return Weights(self.gf, il, self.loaded_experts, self.llama_cpp_target, self.matmul_hook)
 
     def attention_block(self, il: int, h: np.ndarray) -> np.ndarray:
         """KDA or MLA (+ indexer) on the attention-normed input h."""

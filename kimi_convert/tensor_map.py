@@ -7,10 +7,11 @@ step (prefix, vision drop) done before anything is looked up.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Callable
 
-from .constants import HF_DROPPED_PREFIXES, HF_TEXT_PREFIX, T
+from .constants import HF_DROPPED_PREFIXES, HF_TEXT_PREFIX, T, tname
 from .model import KimiConfig
 
 Shape = tuple[int, ...]
@@ -173,3 +174,72 @@ def gguf_shape(rule: Rule, c: KimiConfig) -> Shape:
     if rule.transform == EXPERTS:
         return (c.n_expert, *hf)
     return hf
+
+
+def gguf_tensors(c: KimiConfig) -> dict[str, tuple[Rule, Shape]]:
+    """Every GGUF tensor the architecture implies: name -> (rule, numpy shape), as build_plan walks the table."""
+    out = {tname(r.gguf): (r, gguf_shape(r, c)) for r in GLOBAL_RULES}
+    for il in range(c.n_layer):
+        out |= {tname(r.gguf, il): (r, gguf_shape(r, c)) for r in LAYER_RULES if LAYER_KINDS[r.when](c, il)}
+    return out
+
+
+# ------------------------------------------------------------------------------------
+# What quantization may not change: the model's own quantization predicate (as mlx-lm's model
+# files state theirs), applied by kimi-quantize before any policy rule.
+
+LLAMA_CPP = "llama.cpp"        # never quantized by llama-quantize either (src/llama-quant.cpp)
+INDEXER = "indexer"            # the K3.1 lightning indexer keeps its source type
+MXFP4_EXPERTS = "mxfp4"        # quantization-aware experts are copied byte for byte
+
+_INDEXER_MATRICES = tuple("." + t.split(".", 2)[-1] for t in (T.INDEXER_Q_B, T.INDEXER_K, T.INDEXER_PROJ))
+_EXPERT_SUFFIXES = tuple(t.split("}", 1)[-1] for t in (T.FFN_GATE_EXPS, T.FFN_UP_EXPS, T.FFN_DOWN_EXPS))
+
+
+@dataclass(frozen=True)
+class Protection:
+    kind: str                  # LLAMA_CPP, INDEXER or MXFP4_EXPERTS
+    why: str
+
+
+def ggml_n_dims(shape: Shape) -> int:
+    """Dimensions as ggml counts them: trailing 1s of ne (leading 1s of a numpy shape) do not count."""
+    n = len(shape)
+    while n > 1 and shape[len(shape) - n] == 1:
+        n -= 1
+    return n
+
+
+def protection(name: str, shape: Shape, is_mxfp4: bool) -> Protection | None:
+    """Why tensor `name` (numpy-order `shape`) must keep its stored type, or None if a policy may choose."""
+    if ggml_n_dims(shape) < 2:
+        return Protection(LLAMA_CPP, "1-D: llama.cpp never quantizes vectors")
+    if not name.endswith("weight"):
+        return Protection(LLAMA_CPP, "not a weight: llama.cpp quantizes only *weight tensors")
+    for part, what in (("_norm.weight", "a norm"), ("ffn_gate_inp.weight", "the MoE router"),
+                       ("ssm_conv1d", "the KDA short convolution")):
+        if part in name:
+            return Protection(LLAMA_CPP, f"{what}: llama.cpp never quantizes it")
+    if name.endswith(_INDEXER_MATRICES):
+        return Protection(INDEXER, "the lightning indexer's top-k selection is sensitive to its precision, "
+                                   "and llama.cpp loads only F32/F16/BF16 for it")
+    if is_mxfp4 and name.endswith(_EXPERT_SUFFIXES):
+        return Protection(MXFP4_EXPERTS, "MXFP4 experts are quantization-aware: re-encoding them changes their "
+                                         "bytes (only --allow-requantize does, with a warning)")
+    return None
+
+
+def gguf_group(name: str) -> str:
+    """The plan-summary class of a GGUF tensor name ("routed experts", "norms", ...), from the table."""
+    for pattern, group in _GROUPS:
+        if pattern.fullmatch(name):
+            return group
+    return "other"
+
+
+def _group_patterns() -> list[tuple[re.Pattern, str]]:
+    return [(re.compile(re.escape(r.gguf).replace(re.escape("{bid}"), r"\d+")), r.group)
+            for r in GLOBAL_RULES + LAYER_RULES]
+
+
+_GROUPS = _group_patterns()

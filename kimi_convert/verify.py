@@ -20,29 +20,35 @@ Without a checkpoint (`verify(gguf)`): structure; every tensor the architecture 
 type, no extra, all data readable and finite; metadata keys with the types llama.cpp
 reads; a forward pass without NaN; and the runtime-only half of the k31 part.
 
+Files llama.cpp writes pass as ours do: shapes are compared up to leading 1s (trailing ggml
+1-dims, which llama-quantize's headers leave out), and each key may have any type llama.cpp's
+loader reads it as (per-layer arrays: INT32, UINT32 or BOOL).
+
 Tolerances and their reasons: docs/verification.md. A part that raises is a failed part
-(the error is its message); only an unreadable checkpoint aborts the whole run.
+(the error is its message); only an unreadable checkpoint aborts the whole run. The reference
+needs torch (`pip install 'kimi-convert[verify]'`); without it the parts that need it are n/a,
+not failures.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, replace
+from importlib import import_module
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGUFValueType
 from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize
 
 from . import mxfp4
 from .checkpoint import NUMPY_DTYPE, Checkpoint, SourceTensor, bf16_to_f32, f32_to_bf16, to_f32
-from .constants import INDEXER_MATRIX_TYPES, Key, T, key, tname
+from .constants import INDEXER_MATRIX_TYPES, Key, T, key
 from .errors import KimiError
-from .gguf_io import GGUFFile, GGUFTensor, gguf_parts, open_gguf, tensor_nbytes
+from .gguf_io import GGUFFile, GGUFTensor, gguf_parts, open_gguf, read_gguf, same_shape, tensor_nbytes
 from .model import KimiConfig
-from .tensor_map import (A_LOG, CONV1D, COPY, EXPERTS, GLOBAL_RULES, K_B, LAYER_KINDS, LAYER_RULES,
-                         RES_SCORE, V_B, gguf_shape)
+from .tensor_map import A_LOG, CONV1D, COPY, EXPERTS, K_B, RES_SCORE, V_B, gguf_tensors
 
 SEQ_LEN = 32
 SEED = 0
@@ -149,6 +155,7 @@ class Report:
     tokens: list[int]
     tolerance: dict[str, Any]
     parts: list[Part]
+    notes: list[str] = field(default_factory=list)     # what was not checked, and why
 
     @property
     def ok(self) -> bool:
@@ -159,7 +166,8 @@ class Report:
 
     def to_dict(self) -> dict:
         return _jsonable({"ok": self.ok, "gguf": self.gguf, "hf_dir": self.hf_dir, "tokens": self.tokens,
-                          "tolerance": self.tolerance, "parts": [asdict(p) for p in self.parts]})
+                          "tolerance": self.tolerance, "parts": [asdict(p) for p in self.parts],
+                          "notes": self.notes})
 
 
 def _jsonable(x):
@@ -364,14 +372,19 @@ def _fmt_logits(c: dict) -> str:
 # part: structure
 
 def check_structure(part: Part, path: Path) -> Part:
-    parts = gguf_parts(path)
-    n_tensors = 0
+    try:
+        parts = gguf_parts(path)
+    except KimiError as e:
+        part.fail(str(e))
+        return part.finish("a split part is missing")
+    n_tensors, unreadable = 0, 0
     for p in parts:
         size = p.stat().st_size
         try:
-            r = GGUFReader(p, "r")
-        except Exception as e:                      # noqa: BLE001
-            part.fail(f"{p.name}: not a readable GGUF ({e})")
+            r = read_gguf(p)
+        except KimiError as e:
+            part.fail(str(e))
+            unreadable += 1
             continue
         align = int(r.alignment)
         ranges = []
@@ -384,8 +397,6 @@ def check_structure(part: Part, path: Path) -> Part:
                 part.fail(f"{p.name}: {t.name} data offset {rel} is not a multiple of the alignment {align}")
             if int(t.n_bytes) != want:
                 part.fail(f"{p.name}: {t.name} holds {t.n_bytes} bytes, {qt.name}{list(shape)} needs {want}")
-            if int(t.data_offset) + want > size:
-                part.fail(f"{p.name}: {t.name} runs past the end of the file")
             ranges.append((int(t.data_offset), int(t.data_offset) + want, t.name))
         ranges.sort()
         for (a0, a1, an), (b0, b1, bn) in zip(ranges, ranges[1:]):
@@ -399,8 +410,12 @@ def check_structure(part: Part, path: Path) -> Part:
             no = r.fields.get("split.no")
             if no is None or int(no.parts[-1][0]) != parts.index(p):
                 part.fail(f"{p.name}: split.no is missing or not {parts.index(p)}")
-    part.figures = {"files": len(parts), "tensors": n_tensors}
-    return part.finish(f"{len(parts)} file(s), {n_tensors} tensors, offsets aligned and in bounds")
+    part.figures = {"files": len(parts), "tensors": n_tensors, "unreadable": unreadable}
+    if unreadable:
+        return part.finish("not a readable GGUF file" if len(parts) == 1
+                           else f"{unreadable} of {len(parts)} files are not readable GGUF files")
+    verdict = "offsets aligned and in bounds" if not part.failures else "see the failures"
+    return part.finish(f"{len(parts)} file(s), {n_tensors} tensors, {verdict}")
 
 
 # ------------------------------------------------------------------------------------
@@ -509,8 +524,9 @@ def _expected_chunks(p, t: GGUFTensor, ckpt: Checkpoint, cfg: KimiConfig) -> Ite
 def compare_tensor(p, t: GGUFTensor, ckpt: Checkpoint, cfg: KimiConfig) -> dict[str, Any]:
     """One planned tensor against the GGUF one: a row of the tensors table."""
     row: dict[str, Any] = {"tensor": p.name, "type": t.qtype.name, "transform": p.rule.transform}
-    if t.shape != p.shape:
+    if not same_shape(t.shape, p.shape):
         return row | {"ok": False, "mode": "shape", "detail": f"shape {list(t.shape)}, expected {list(p.shape)}"}
+    t = t.as_shape(p.shape)
     if p.rule.transform == A_LOG:
         # -exp(A_log[:H]) is computed, not copied: compared with the float64 value rounded to the
         # stored type, within 4 ulp (no float32 exp is correctly rounded everywhere)
@@ -567,6 +583,7 @@ def check_tensors(part: Part, plan, gf: GGUFFile, log: Callable[[str], None]) ->
         if t is None:
             part.fail(f"{p.name}: missing from the GGUF")
             part.rows.append({"tensor": p.name, "ok": False, "mode": "missing", "detail": "missing"})
+            by_mode["missing"] = by_mode.get("missing", 0) + 1
             continue
         row = compare_tensor(p, t, ckpt, cfg)
         part.rows.append(row)
@@ -581,40 +598,79 @@ def check_tensors(part: Part, plan, gf: GGUFFile, log: Callable[[str], None]) ->
     for name in extra:
         part.fail(f"{name}: in the GGUF but not made from any checkpoint tensor")
         part.rows.append({"tensor": name, "ok": False, "mode": "extra", "detail": "extra tensor"})
+    matched_by_mode = {m: sum(1 for r in part.rows if r.get("mode") == m and r["ok"]) for m in by_mode}
+    compared = sum(n for m, n in by_mode.items() if m in VALUE_MODES)
+    if n_ok == 0 and compared == len(plan.tensors) > 1 and not extra:
+        # every tensor is there in its shape and none holds its source's values: one cause, one line
+        part.failures = [f"none of the {compared} tensors holds the values of its source in {ckpt.dir}: "
+                         f"the file was not converted from this checkpoint"]
     part.figures = {"matched": n_ok, "total": len(plan.tensors), "extra": len(extra), "by_mode": by_mode,
+                    "matched_by_mode": matched_by_mode,
                     "mismatched": [r["tensor"] for r in part.rows if not r["ok"]]}
     return part.finish(f"{n_ok}/{len(plan.tensors)} tensors match their HF source"
-                       + (f", {len(extra)} extra" if extra else "")
-                       + f" ({', '.join(f'{v} {k}' for k, v in sorted(by_mode.items()))})")
+                       + (f", {len(extra)} extra" if extra else "") + f" ({_modes_summary(by_mode, matched_by_mode)})")
+
+
+# how compare_tensor judges a tensor, in the summary's words
+VALUE_MODES = {"exact": "bit-exact", "ulp": "ssm_a within 4 ulp", "bound": "within their type's error bound"}
+OTHER_MODES = {"shape": "of another shape", "missing": "missing"}
+
+
+def _modes_summary(by_mode: dict[str, int], matched: dict[str, int]) -> str:
+    """'212/212 bit-exact, 6/6 ssm_a within 4 ulp; 3 of another shape': how many of each kind matched."""
+    values = [f"{matched[m]}/{by_mode[m]} {w}" for m, w in VALUE_MODES.items() if m in by_mode]
+    others = [f"{by_mode[m]} {w}" for m, w in OTHER_MODES.items() if m in by_mode]
+    return "; ".join(x for x in (", ".join(values), ", ".join(others)) if x)
 
 
 # ------------------------------------------------------------------------------------
 # part: metadata
 
-def field_types(paths: list[Path]) -> dict[str, tuple[GGUFValueType, GGUFValueType | None]]:
-    out = {}
-    for p in paths:
-        r = GGUFReader(p, "r")
-        for name, f in r.fields.items():
-            if name.startswith("GGUF.") or name in out:
-                continue
-            main = GGUFValueType(f.types[0])
-            out[name] = (main, GGUFValueType(f.types[-1]) if main == GGUFValueType.ARRAY else None)
-    return out
+VT = GGUFValueType
+
+# llama.cpp reads these per-layer keys with get_key_or_arr into a std::array<uint32_t>; its get_arr takes an
+# array of INT32, UINT32 or BOOL alike (src/llama-model-loader.cpp; k31-indexer.md for indexer.types). A
+# scalar goes through get_key, which takes exactly one type ("key ... has wrong type"): a UINT32 key stored
+# as INT32 does not load. (get_key_or_arr would also take a per-layer array for feed_forward_length,
+# head_count, expert_used_count and expert_feed_forward_length, and a scalar head_count_kv; KimiConfig
+# holds one value, resp. one per layer, for those, and no llama.cpp tool writes the other form for K3.)
+PER_LAYER_KEYS = (Key.HEAD_COUNT_KV, Key.INDEXER_TYPES)
+PER_LAYER_ELEMENTS = (VT.INT32, VT.UINT32, VT.BOOL)
 
 
-def _same_value(want: Any, got: Any, vtype: GGUFValueType, sub: GGUFValueType | None) -> bool:
-    if vtype == GGUFValueType.ARRAY:
+def accepted_types(name: str, vtype: VT, sub: VT | None, arch: str) -> list[tuple[VT, VT | None]]:
+    """The (type, element type) pairs llama.cpp's loader reads `name` from; ours first."""
+    if name in {key(k, arch) for k in PER_LAYER_KEYS} and vtype == VT.ARRAY:
+        return [(VT.ARRAY, sub)] + [(VT.ARRAY, e) for e in PER_LAYER_ELEMENTS if e != sub]
+    return [(vtype, sub)]
+
+
+def _type_name(vtype: VT | None, sub: VT | None) -> str:
+    return (vtype.name if vtype else "?") + (f"[{sub.name}]" if sub else "")
+
+
+def _as_loaded(value: Any, vtype: VT) -> Any:
+    """A scalar as llama.cpp holds it: BOOL array entries become 0/1 and INT32 bits a uint32 (get_arr);
+    floats compare as float32."""
+    if vtype == VT.BOOL:
+        return int(bool(value))
+    if vtype in (VT.INT32, VT.UINT32):
+        return int(value) & 0xFFFFFFFF
+    if vtype == VT.FLOAT32:
+        return np.float32(value)
+    if vtype == VT.FLOAT64:
+        return float(value)
+    return value
+
+
+def _same_value(want: Any, got: Any, want_type: tuple[VT, VT | None], got_type: tuple[VT, VT | None]) -> bool:
+    """Equal as llama.cpp reads them, each under its own stored type."""
+    (vtype, sub), (_, got_sub) = want_type, got_type
+    if vtype == VT.ARRAY:
         if not isinstance(got, list) or len(got) != len(want):
             return False
-        return all(_same_value(w, g, sub, None) for w, g in zip(want, got))
-    if vtype in (GGUFValueType.FLOAT32,):
-        return np.float32(want) == np.float32(got)
-    if vtype == GGUFValueType.FLOAT64:
-        return float(want) == float(got)
-    if vtype == GGUFValueType.BOOL:
-        return bool(want) == bool(got)
-    return want == got
+        return all(_as_loaded(w, sub) == _as_loaded(g, got_sub) for w, g in zip(want, got))
+    return _as_loaded(want, vtype) == _as_loaded(got, vtype)
 
 
 def _short(v: Any) -> str:
@@ -625,22 +681,24 @@ def _short(v: Any) -> str:
 
 
 def check_metadata(part: Part, expected: list, gf: GGUFFile, arch: str, *, cfg: KimiConfig) -> Part:
-    types = field_types(gf.paths)
     n_ok = 0
     if gf.fields.get("general.architecture") != arch:
         part.fail(f"general.architecture is {gf.fields.get('general.architecture')!r}, expected {arch!r}")
     for name, want, vtype, sub in expected:
         got = gf.fields.get(name)
-        row = {"key": name, "expected": _short(want), "type": vtype.name + (f"[{sub.name}]" if sub else "")}
+        accepted = accepted_types(name, vtype, sub, arch)
+        stored = gf.types.get(name, (None, None))
+        row = {"key": name, "expected": _short(want), "type": _type_name(vtype, sub),
+               "stored_as": _type_name(*stored)}
         if name not in gf.fields:
             row |= {"ok": False, "found": "missing"}
             part.fail(f"{name}: missing (expected {_short(want)})")
-        elif types.get(name) != (vtype, sub):
-            t, s = types.get(name, (None, None))
-            found_t = (t.name if t else "?") + (f"[{s.name}]" if s else "")
-            row |= {"ok": False, "found": f"{_short(got)} as {found_t}"}
-            part.fail(f"{name}: stored as {found_t}, expected {row['type']}")
-        elif not _same_value(want, got, vtype, sub):
+        elif stored not in accepted:
+            row |= {"ok": False, "found": f"{_short(got)} as {row['stored_as']}"}
+            part.fail(f"{name}: stored as {row['stored_as']}, " + (
+                "expected a per-layer ARRAY of INT32, UINT32 or BOOL" if len(accepted) > 1
+                else f"llama.cpp reads it only as {row['type']}"))
+        elif not _same_value(want, got, (vtype, sub), stored):
             row |= {"ok": False, "found": _short(got)}
             part.fail(f"{name}: {_short(got)}, expected {_short(want)}")
         else:
@@ -673,23 +731,14 @@ def check_metadata(part: Part, expected: list, gf: GGUFFile, arch: str, *, cfg: 
                       "type": "ARRAY[STRING]", "ok": vocab_ok})
     part.figures = {"keys_matched": n_ok, "keys_expected": len(expected), "unexpected_keys": stray,
                     "vocab_tokens": n_tok, "vocab_size": cfg.n_vocab}
-    return part.finish(f"{n_ok}/{len(expected)} architecture keys match (value and type), "
+    return part.finish(f"{n_ok}/{len(expected)} architecture keys match (value, and a type llama.cpp reads), "
                        f"vocabulary {n_tok}/{cfg.n_vocab}" + (f", {len(stray)} unexpected" if stray else ""))
 
 
 # ------------------------------------------------------------------------------------
 # lone GGUF: the tensors the architecture implies
 
-def expected_tensors(cfg: KimiConfig) -> dict[str, tuple[Any, tuple[int, ...]]]:
-    """name -> (rule, numpy shape) from tensor_map's table, as build_plan walks it."""
-    out = {}
-    for r in GLOBAL_RULES:
-        out[tname(r.gguf)] = (r, gguf_shape(r, cfg))
-    for il in range(cfg.n_layer):
-        for r in LAYER_RULES:
-            if LAYER_KINDS[r.when](cfg, il):
-                out[tname(r.gguf, il)] = (r, gguf_shape(r, cfg))
-    return out
+expected_tensors = gguf_tensors     # name -> (rule, numpy shape), the walk build_plan makes
 
 
 def _allowed_types(rule) -> tuple[QT, ...] | None:
@@ -711,7 +760,9 @@ def check_lone_tensors(part: Part, gf: GGUFFile, cfg: KimiConfig, log: Callable[
             problems.append("missing")
         else:
             row |= {"type": t.qtype.name, "shape": list(t.shape)}
-            if t.shape != shape:
+            if same_shape(t.shape, shape):
+                t = t.as_shape(shape)
+            else:
                 problems.append(f"shape {list(t.shape)}, the architecture implies {list(shape)}")
             allowed = _allowed_types(rule)
             if allowed and t.qtype not in allowed:
@@ -928,6 +979,20 @@ def _brief(c: dict) -> dict:
 # ------------------------------------------------------------------------------------
 # entry point
 
+TORCH_HINT = "the torch reference needs torch: pip install 'kimi-convert[verify]' (torch==2.13.0, CPU)"
+
+
+def reference_unavailable() -> str | None:
+    """Why the torch reference cannot run here (torch is an optional extra), or None."""
+    try:
+        import_module(".reference", __package__)
+    except ModuleNotFoundError as e:
+        if (e.name or "").partition(".")[0] != "torch":
+            raise
+        return TORCH_HINT
+    return None
+
+
 def verify(gguf_path: Path, hf_dir: Path | None = None, *, length: int = SEQ_LEN, seed: int = SEED,
            log: Callable[[str], None] = lambda s: None) -> Report:
     """Check `gguf_path` (any part of a split file) against `hf_dir`, or on its own."""
@@ -936,65 +1001,89 @@ def verify(gguf_path: Path, hf_dir: Path | None = None, *, length: int = SEQ_LEN
         raise KimiError(f"{gguf_path}: not found")
     if length < 2:
         raise KimiError(f"--length {length}: need at least 2 tokens")
-    plan = cfg_hf = None
+    plan = None
     if hf_dir is not None:
         from .convert import build_plan
         plan = build_plan(Path(hf_dir), "f32")         # a bad checkpoint is the user's error: raises
-        cfg_hf = plan.config
-    parts: list[Part] = []
+    hf = str(hf_dir) if hf_dir is not None else None
     structure = _run(Part("structure", "structure"), lambda p: check_structure(p, gguf_path))
-    parts.append(structure)
     try:
         gf = open_gguf(gguf_path)
-    except KimiError as e:
-        structure.fail(str(e))
+    except KimiError as e:                              # already named by the structure part, as a rule
+        if str(e) not in structure.failures:
+            structure.fail(str(e))
+            structure.summary = "not readable as one GGUF file"
         structure.ok = False
-        return Report(str(gguf_path), str(hf_dir) if hf_dir else None, [], {}, parts)
+        return Report(str(gguf_path), hf, [], {}, [structure])
 
     tol = TOLERANCES[file_class(gf)]
     ids: list[int] = []
     try:
-        extra = tuple(cfg_hf.extra.values()) if cfg_hf is not None else ()
-        ids = token_sequence(gf, length, seed, extra)
+        ids = token_sequence(gf, length, seed, tuple(plan.config.extra.values()) if plan is not None else ())
     except Exception as e:                              # noqa: BLE001
         structure.fail(f"no token sequence: {e}")
         structure.ok = False
-    runs = _Runs(gguf_path, Path(hf_dir) if hf_dir else None, ids, log)
-
-    def needs_ids(fn):
-        def body(p: Part):
-            if not ids:
-                raise KimiError("no token sequence (see structure)")
-            return fn(p)
-        return body
-
+    report = Report(str(gguf_path), hf, ids, asdict(tol), [structure])
     if plan is not None:
-        log("comparing tensors")
-        parts.append(_run(Part("tensors", "tensors vs checkpoint"), lambda p: check_tensors(p, plan, gf, log)))
-        parts.append(_run(Part("metadata", "metadata vs config.json"),
-                          lambda p: check_metadata(p, cfg_hf.gguf_metadata(), gf, cfg_hf.arch, cfg=cfg_hf)))
-        log("running runtime and reference")
-        parts.append(_run(Part("logits", "logits: runtime vs reference"),
-                          needs_ids(lambda p: check_logits(p, runs, tol))))
-        parts.append(_run(Part("k31", "K3.1 indexer"), needs_ids(lambda p: check_k31(p, runs, cfg_hf, tol))))
-        parts.append(_run(Part("perplexity", "perplexity"), needs_ids(lambda p: check_perplexity(p, runs, tol))))
+        report.parts += _checkpoint_parts(report, gf, plan, Path(hf_dir), tol, log)
     else:
-        cfg: KimiConfig | None = None
-        meta = Part("metadata", "metadata (keys and types)")
-        try:
-            cfg = KimiConfig.from_gguf(gf.fields)
-        except KimiError as e:
-            meta.fail(str(e))
-            meta.ok, meta.summary = False, "the architecture cannot be read from the metadata"
-        if cfg is not None:
-            meta = _run(meta, lambda p: check_lone_metadata(p, gf, cfg))
-        parts.append(meta)
-        if cfg is not None:
-            log("reading every tensor")
-            parts.append(_run(Part("tensors", "tensors the architecture implies"),
-                              lambda p: check_lone_tensors(p, gf, cfg, log)))
-            log("running the runtime")
-            parts.append(_run(Part("forward", "forward pass"), needs_ids(lambda p: check_forward(p, runs))))
-            parts.append(_run(Part("k31", "K3.1 indexer (runtime only)"),
-                              needs_ids(lambda p: check_k31(p, runs, cfg, tol))))
-    return Report(str(gguf_path), str(hf_dir) if hf_dir else None, ids, asdict(tol), parts)
+        report.parts += _lone_parts(gf, _Runs(gguf_path, None, ids, log), tol, log)
+    return report
+
+
+def _needs_ids(runs: "_Runs", fn: Callable[[Part], Part]) -> Callable[[Part], Part]:
+    def body(p: Part) -> Part:
+        if not runs.ids:
+            raise KimiError("no token sequence (see structure)")
+        return fn(p)
+    return body
+
+
+def _checkpoint_parts(report: Report, gf: GGUFFile, plan, hf_dir: Path, tol: Tolerance, log) -> list[Part]:
+    cfg = plan.config
+    if gf.arch != cfg.arch:                             # nothing else can be compared: one line says why
+        meta = Part("metadata", "metadata vs config.json")
+        meta.fail(f"general.architecture is {gf.arch or 'missing'}, but {hf_dir} is a {cfg.arch} checkpoint: "
+                  f"the file was not made from it")
+        meta.finish(f"architecture {gf.arch or 'missing'}, the checkpoint's is {cfg.arch}")
+        skipped = [Part(k, t, ok=None, summary="not compared: the architectures differ")
+                   for k, t in (("tensors", "tensors vs checkpoint"), ("logits", "logits: runtime vs reference"),
+                                ("perplexity", "perplexity"))]
+        return skipped[:1] + [meta] + skipped[1:]
+    no_reference = reference_unavailable()
+    runs = _Runs(Path(report.gguf), None if no_reference else hf_dir, report.tokens, log)
+    log("comparing tensors")
+    parts = [_run(Part("tensors", "tensors vs checkpoint"), lambda p: check_tensors(p, plan, gf, log)),
+             _run(Part("metadata", "metadata vs config.json"),
+                  lambda p: check_metadata(p, cfg.gguf_metadata(), gf, cfg.arch, cfg=cfg))]
+    if no_reference:                                    # the file is not at fault: those parts are n/a
+        log("running the runtime (no reference)")
+        report.notes.append(f"logits, perplexity{', K3.1 against the reference' if cfg.indexer else ''}: "
+                            f"n/a -- {no_reference}")
+        return parts + [Part("logits", "logits: runtime vs reference", ok=None, summary=no_reference),
+                        _run(Part("k31", "K3.1 indexer (runtime only)"),
+                             _needs_ids(runs, lambda p: check_k31(p, runs, cfg, tol))),
+                        Part("perplexity", "perplexity", ok=None, summary=no_reference)]
+    log("running runtime and reference")
+    return parts + [_run(Part("logits", "logits: runtime vs reference"),
+                         _needs_ids(runs, lambda p: check_logits(p, runs, tol))),
+                    _run(Part("k31", "K3.1 indexer"), _needs_ids(runs, lambda p: check_k31(p, runs, cfg, tol))),
+                    _run(Part("perplexity", "perplexity"),
+                         _needs_ids(runs, lambda p: check_perplexity(p, runs, tol)))]
+
+
+def _lone_parts(gf: GGUFFile, runs: "_Runs", tol: Tolerance, log) -> list[Part]:
+    meta = Part("metadata", "metadata (keys and types)")
+    try:
+        cfg = KimiConfig.from_gguf(gf.fields)
+    except KimiError as e:
+        meta.fail(str(e))
+        meta.ok, meta.summary = False, "the architecture cannot be read from the metadata"
+        return [meta]
+    log("reading every tensor")
+    parts = [_run(meta, lambda p: check_lone_metadata(p, gf, cfg)),
+             _run(Part("tensors", "tensors the architecture implies"), lambda p: check_lone_tensors(p, gf, cfg, log))]
+    log("running the runtime")
+    return parts + [_run(Part("forward", "forward pass"), _needs_ids(runs, lambda p: check_forward(p, runs))),
+                    _run(Part("k31", "K3.1 indexer (runtime only)"),
+                         _needs_ids(runs, lambda p: check_k31(p, runs, cfg, tol)))]

@@ -1,5 +1,6 @@
 """kimi-verify: slice a checkpoint, and prove a GGUF by reading and executing it.
 
+\b
   kimi-verify slice HF_DIR OUT_DIR --layers 8          (or --layers 0-3,91-92)
   kimi-verify check HF_DIR FILE.gguf [--json report.json]
   kimi-verify check FILE.gguf                          (no checkpoint: the file on its own)
@@ -14,15 +15,13 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
-from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from .cli import fail, human
+from .cli import check_report_path, console as err, fail, human, output as out, typer_app
 from .errors import KimiError
 
-app = typer.Typer(add_completion=False, help=__doc__, no_args_is_help=True)
-out = Console()                       # the report (stdout)
-err = Console(stderr=True)            # progress and errors
+app = typer_app(help=__doc__, no_args_is_help=True)     # out: the report (stdout); err: progress, errors
 SHOW_FAILURES = 20
 
 
@@ -74,6 +73,8 @@ def check_cmd(
     from .verify import verify
     try:
         hf_dir, gguf = _split_args(paths)
+        if json_file is not None:
+            check_report_path(json_file)          # before the work, not after it
         report = verify(gguf, hf_dir, length=length, seed=seed,
                         log=lambda s: err.print(f"[dim]{s}[/]", highlight=False))
     except KimiError as e:
@@ -109,10 +110,16 @@ def print_report(report) -> None:
     t.add_column("figures", overflow="fold")
     for p in report.parts:
         result = "[green]PASS" if p.ok else "[red]FAIL" if p.ok is False else "[dim]n/a"
-        t.add_row(p.title, result, p.summary)
+        t.add_row(p.title, result, escape(p.summary))
     out.print(t)
     tol = report.tolerance
-    if tol:
+    compared = any(p.key in ("logits", "perplexity") and p.ok is not None for p in report.parts)
+    if tol and not compared:
+        why = ("logits are compared only against a checkpoint (kimi-verify check HF_DIR FILE)"
+               if report.hf_dir is None else "no logits were compared")
+        out.print(f"file class {tol['file_class']}; no logits tolerance applies: {why}; "
+                  f"{len(report.tokens)} tokens (seed-fixed)", highlight=False)
+    elif tol:
         if tol["logits_rtol"] is not None:
             rule = (f"per position: max|Δ| <= {tol['logits_rtol']:g} x RMS(reference logits), "
                     f"KL <= {tol['kl_max']:g}, same argmax")
@@ -127,20 +134,22 @@ def print_report(report) -> None:
                 k.add_column(col, overflow="fold")
             for r in p.rows:
                 figs = ", ".join(f"{n} {_num(v)}" for n, v in r.items() if n not in ("check", "ok", "flagged"))
-                k.add_row(r["check"], "[green]ok" if r["ok"] else "[red]FAIL", figs)
+                k.add_row(escape(r["check"]), "[green]ok" if r["ok"] else "[red]FAIL", escape(figs))
             out.print(k)
         flagged = p.figures.get("flagged") if isinstance(p.figures, dict) else None
         if flagged:
             how = "listed and not judged" if p.figures.get("excluded") else "listed (judged in aggregate)"
             out.print(f"[yellow]{p.title}: {len(flagged)} position(s) with a near-tie routing choice, {how}:[/]")
             for line in flagged:
-                out.print(f"  {line}", highlight=False)
+                out.print(f"  {escape(line)}", highlight=False)
         if p.failures:
             out.print(f"[red]{p.title}: {len(p.failures)} failure(s)[/]")
             for line in p.failures[:SHOW_FAILURES]:
-                out.print(f"  {line}", highlight=False, soft_wrap=True)
+                out.print(f"  {escape(line)}", highlight=False, soft_wrap=True)
             if len(p.failures) > SHOW_FAILURES:
                 out.print(f"  ... and {len(p.failures) - SHOW_FAILURES} more (see --json)")
+    for note in report.notes:
+        out.print(f"[yellow]{escape(note)}[/]", highlight=False, soft_wrap=True)
     out.print("[bold green]PASS" if report.ok else "[bold red]FAIL")
 
 

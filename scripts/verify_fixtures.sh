@@ -6,7 +6,7 @@ set -euo pipefail
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 for arch in k3 k31; do
-  python -m fixtures.make_checkpoint "$work/$arch-full" --arch "$arch" --layers 12 --seed 1 >/dev/null
+  python -m kimi_convert.fixtures.make_checkpoint "$work/$arch-full" --arch "$arch" --layers 12 --seed 1 >/dev/null
   kimi-verify slice "$work/$arch-full" "$work/$arch" --layers 8
   for outtype in f32 bf16; do
     kimi-convert "$work/$arch" "$work/$arch-$outtype.gguf" --outtype "$outtype"

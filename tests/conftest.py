@@ -10,7 +10,13 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from fixtures.make_checkpoint import make_checkpoint  # noqa: E402
+from kimi_convert.fixtures.make_checkpoint import make_checkpoint  # noqa: E402
+
+
+def pytest_report_header(config):
+    """CPU flags, llama.cpp's compiled ISA and numpy's kernels: an interop failure then says which path ran."""
+    from kimi_convert.interop.platform import numeric_paths
+    return numeric_paths()
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@ than our own reader: a mistake in the table cannot hide behind itself.
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -116,7 +117,12 @@ def check_tensor(name: str, t, hf: dict, cfg: dict, outtype: str) -> str:
         src, n_head = L + "self_attn.A_log", cfg["num_attention_heads"]
         a_log = f32(hf[src])
         assert np.all(a_log[n_head:] == 0)   # the padding really is padding
-        np.testing.assert_array_equal(values(t), -np.exp(a_log[:n_head]))
+        # correctly rounded: the double-precision exp, rounded once to float32
+        correct = np.array([-math.exp(float(x)) for x in a_log[:n_head]], dtype=np.float32)
+        np.testing.assert_array_equal(values(t), correct)
+        # llama.cpp's value (torch's float32 exp) is within 1 ulp of it
+        upstream = -torch.exp(torch.from_numpy(a_log[:n_head])).numpy()
+        assert np.abs(upstream.view(np.int32).astype(np.int64) - correct.view(np.int32)).max() <= 1
         np.testing.assert_allclose(np.log(-values(t)), a_log[:n_head], rtol=1e-6)
         return [src]
     if suffix in ("attn_k_b.weight", "attn_v_b.weight"):
@@ -229,6 +235,48 @@ def expected_keys(hf_dir: Path, arch: str) -> dict:
                      f"{a}.attention.indexer.types": [i + 1 in d["layers"] for i in range(n)],
                      f"{a}.attention.layer_norm_epsilon": c["rms_norm_eps"]})
     return keys
+
+
+# The value type of every key, as llama.cpp's converter writes it (conversion/kimi_k3.py and the gguf-py
+# writer of the Oct-2026 tree: add_uint32 / add_float32 / add_bool, and Python int lists -> ARRAY[INT32]);
+# the K3.1 indexer keys as llama.cpp b12211 reads them (k31-indexer.md). Written out here on purpose,
+# independently of model.py. tests/test_upstream_convert.py compares with llama.cpp's own output.
+U32, I32, F32, BOOL, STR, ARR = "UINT32", "INT32", "FLOAT32", "BOOL", "STRING", "ARRAY"
+KEY_TYPES = {
+    "general.architecture": [STR], "general.name": [STR], "general.file_type": [U32],
+    "general.quantization_version": [U32],
+    "{a}.context_length": [U32], "{a}.embedding_length": [U32], "{a}.block_count": [U32],
+    "{a}.feed_forward_length": [U32], "{a}.vocab_size": [U32], "{a}.attention.head_count": [U32],
+    "{a}.attention.head_count_kv": [ARR, I32], "{a}.attention.layer_norm_rms_epsilon": [F32],
+    "{a}.expert_count": [U32], "{a}.expert_used_count": [U32], "{a}.expert_group_used_count": [U32],
+    "{a}.expert_gating_func": [U32], "{a}.ssm.conv_kernel": [U32], "{a}.kda.head_dim": [U32],
+    "{a}.attention.kv_lora_rank": [U32], "{a}.rope.dimension_count": [U32], "{a}.attention.key_length": [U32],
+    "{a}.attention.value_length": [U32], "{a}.attention.key_length_mla": [U32],
+    "{a}.attention.value_length_mla": [U32], "{a}.expert_feed_forward_length": [U32],
+    "{a}.expert_shared_count": [U32], "{a}.leading_dense_block_count": [U32], "{a}.expert_weights_scale": [F32],
+    "{a}.expert_weights_norm": [BOOL], "{a}.activation.situ_beta": [F32], "{a}.activation.situ_linear_beta": [F32],
+    "{a}.attn_res.block_size": [U32], "{a}.attention.q_lora_rank": [U32], "{a}.kda.gate_lower_bound": [F32],
+    "{a}.expert_latent_length": [U32],
+    "tokenizer.ggml.model": [STR], "tokenizer.ggml.pre": [STR], "tokenizer.ggml.tokens": [ARR, STR],
+    "tokenizer.ggml.token_type": [ARR, I32], "tokenizer.ggml.merges": [ARR, STR],
+    "tokenizer.ggml.bos_token_id": [U32], "tokenizer.ggml.eos_token_id": [U32],
+    "tokenizer.ggml.padding_token_id": [U32], "tokenizer.ggml.add_bos_token": [BOOL],
+    "tokenizer.ggml.add_eos_token": [BOOL], "tokenizer.chat_template": [STR],
+}
+K31_KEY_TYPES = {
+    "{a}.attention.indexer.head_count": [U32], "{a}.attention.indexer.key_length": [U32],
+    "{a}.attention.indexer.top_k": [U32], "{a}.attention.indexer.types": [ARR, BOOL],
+    "{a}.attention.layer_norm_epsilon": [F32],
+}
+
+
+@pytest.mark.parametrize("arch", ["k3", "k31"])
+def test_every_key_has_llama_cpps_value_type(arch, converted):
+    a = "kimi-k3" if arch == "k3" else "kimi-k31"
+    want = {k.format(a=a): v for k, v in (KEY_TYPES | (K31_KEY_TYPES if arch == "k31" else {})).items()}
+    reader = GGUFReader(converted(arch))
+    got = {k: [t.name for t in f.types] for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    assert got == want
 
 
 @pytest.mark.parametrize("arch", ["k3", "k31"])

@@ -1,6 +1,8 @@
 """Bad input: one clear line naming the file and tensor, exit code 1, and no output left behind."""
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import resource
@@ -8,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,10 +18,20 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_cli(*args: str, preexec=None) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="300")
-    return subprocess.run([sys.executable, "-m", "kimi_convert", *map(str, args)], capture_output=True,
-                          text=True, env=env, preexec_fn=preexec, timeout=120)
+def cli_command(args, patch: str = "") -> list[str]:
+    """kimi-convert ARGS, with `patch` (Python run first, to fake a disk or slow the writer) if given."""
+    if not patch:
+        return [sys.executable, "-m", "kimi_convert", *map(str, args)]
+    code = patch + "\nfrom kimi_convert.cli import convert_main\nconvert_main()\n"
+    return [sys.executable, "-c", code, *map(str, args)]
+
+
+CLI_ENV = dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="300")
+
+
+def run_cli(*args: str, preexec=None, patch: str = "") -> subprocess.CompletedProcess:
+    return subprocess.run(cli_command(args, patch), capture_output=True, text=True, env=CLI_ENV,
+                          preexec_fn=preexec, timeout=120)
 
 
 @pytest.fixture
@@ -57,8 +70,8 @@ def patch_header(path: Path, old: str, new: str) -> None:
     path.write_bytes(data[:8] + header.replace(old, new, 1).encode() + data[8 + n:])
 
 
-def assert_fails_cleanly(out_dir: Path, result, *needles: str) -> None:
-    assert result.returncode == 1, result.stderr
+def assert_fails_cleanly(out_dir: Path, result, *needles: str, code: int = 1) -> None:
+    assert result.returncode == code, result.stderr
     assert "Traceback" not in result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, result.stderr
@@ -158,12 +171,183 @@ def test_unknown_architecture(tmp_path, ckpt):
     assert_fails_cleanly(tmp_path, r, "config.json", "unknown architecture", "KimiK9")
 
 
-def test_disk_full(tmp_path, ckpt):
-    def small_disk():   # the kernel refuses writes past 1 MB: EFBIG, as a full disk would
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
-    r = run_cli(ckpt, tmp_path / "out.gguf", preexec=small_disk)
-    assert_fails_cleanly(tmp_path, r, "out.gguf", "disk full")
+@pytest.mark.parametrize("limit", [1000, 1 << 20, 2_000_000],
+                         ids=["in-the-header", "page-aligned", "not-page-aligned"])
+def test_file_size_limit(tmp_path, ckpt, limit):
+    """The kernel refuses writes past `limit` bytes (EFBIG, as a file system's size limit would).
+    2,000,000 is not a multiple of the page: the O_DIRECT write is refused with EINVAL there, the
+    writer falls back to buffered writes, and those end in EFBIG."""
+    def small_file_limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)    # else the kernel kills the process instead
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    r = run_cli(ckpt, tmp_path / "out.gguf", preexec=small_file_limit)
+    assert_fails_cleanly(tmp_path, r, str(tmp_path / "out.gguf"), "File too large", "nothing was written")
+
+
+def refusing_pwrite(monkeypatch, error: int, direct_only: bool) -> list[int]:
+    """Make os.pwrite fail with `error` (on O_DIRECT descriptors only, or on all); returns the refused fds."""
+    real, refused = os.pwrite, []
+
+    def pwrite(fd, data, offset):
+        if not direct_only or fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(fd)
+            raise OSError(error, os.strerror(error))
+        return real(fd, data, offset)
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    return refused
+
+
+def test_o_direct_refused_at_the_first_write_falls_back_to_buffered(tmp_path, k3_dir, converted, monkeypatch):
+    """Some file systems accept O_DIRECT at open and refuse the write (EINVAL): same file, buffered."""
+    from kimi_convert.convert import build_plan, convert
+    refused = refusing_pwrite(monkeypatch, errno.EINVAL, direct_only=True)
+    out = convert(build_plan(k3_dir), tmp_path / "out.gguf").paths[0]
+    assert len(refused) == 1                # one refusal, then every write went the buffered way
+    assert out.read_bytes() == converted("k3").read_bytes()
+
+
+@pytest.mark.parametrize("error", [errno.EIO, errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EINVAL],
+                         ids=errno.errorcode.get)
+def test_every_write_error_is_one_output_error(tmp_path, k3_dir, monkeypatch, error):
+    from kimi_convert.convert import build_plan, convert
+    from kimi_convert.errors import DiskSpaceError, OutputError
+    refusing_pwrite(monkeypatch, error, direct_only=False)
+    out = tmp_path / "out.gguf"
+    with pytest.raises(OutputError) as e:
+        convert(build_plan(k3_dir), out)
+    assert str(out) in str(e.value) and os.strerror(error) in str(e.value)
+    assert isinstance(e.value, DiskSpaceError) == (error in (errno.ENOSPC, errno.EDQUOT))
+    assert e.value.exit_code == (3 if error in (errno.ENOSPC, errno.EDQUOT) else 1)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("reader", ["staging", "producer"])
+def test_a_read_error_blames_the_checkpoint(tmp_path, k3_dir, monkeypatch, reader):
+    """EIO while reading a shard is the checkpoint's fault, not the output's: read straight into
+    the O_DIRECT staging (os.preadv), or by the producer thread (Checkpoint.read_raw)."""
+    from kimi_convert.checkpoint import Checkpoint
+    from kimi_convert.convert import build_plan, convert
+    from kimi_convert.errors import CheckpointError, OutputError
+    plan = build_plan(k3_dir)
+
+    def broken(*args):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+    if reader == "staging":
+        monkeypatch.setattr(os, "preadv", broken)
+    else:
+        monkeypatch.setattr(Checkpoint, "read_raw", broken)
+    with pytest.raises(CheckpointError) as e:
+        convert(plan, tmp_path / "out.gguf")
+    message = str(e.value)
+    assert not isinstance(e.value, OutputError) and "Input/output error" in message
+    assert ".safetensors: cannot read" in message if reader == "staging" else "cannot read its source" in message
+    assert list(tmp_path.iterdir()) == []
+
+
+# --- signals -----------------------------------------------------------------------------
+
+def slow_writes(seconds_per_chunk: float) -> str:
+    """The fixture writes in milliseconds; a pause per chunk (~350 of them) lets a signal land mid-write."""
+    return f"""
+import time
+from kimi_convert import gguf_io
+_open_sink = gguf_io.open_sink
+def slow_sink(fout):
+    sink = _open_sink(fout)
+    put = sink.put
+    sink.put = lambda chunk, sources: (time.sleep({seconds_per_chunk}), put(chunk, sources))[1]
+    return sink
+gguf_io.open_sink = slow_sink
+"""
+
+
+def partial_dirs(d: Path) -> list[Path]:
+    return [p for p in d.iterdir() if ".partial-" in p.name]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT], ids=lambda s: s.name)
+def test_signal_mid_write_leaves_nothing(tmp_path, ckpt, sig):
+    out = tmp_path / "out.gguf"
+    proc = subprocess.Popen(cli_command([ckpt, out], slow_writes(0.02)), env=CLI_ENV, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while not any(p.stat().st_size > 0 for d in partial_dirs(tmp_path) for p in d.iterdir()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    time.sleep(0.3)                         # well into the tensor data
+    proc.send_signal(sig)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + sig, stderr        # the shell's convention for "killed by sig"
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and sig.name in errors[0] and "nothing was written" in errors[0], stderr
+    assert "Traceback" not in stderr and stdout == ""
+    assert list(tmp_path.iterdir()) == [ckpt]
+
+
+def test_an_ignored_signal_stays_ignored(tmp_path, ckpt):
+    """nohup ignores SIGHUP before the program starts: then a hangup must not end the conversion."""
+    out = tmp_path / "out.gguf"
+    proc = subprocess.Popen(cli_command([ckpt, out], slow_writes(0.005)), env=CLI_ENV, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    while not partial_dirs(tmp_path):
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGHUP)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+    assert stdout == f"{out}\n" and out.read_bytes()[:4] == b"GGUF"
+
+
+def dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_stale_partial_of_a_dead_process_is_removed(tmp_path, ckpt):
+    """What SIGKILL (or a power cut) leaves: the next run removes it and says so; a live one stays."""
+    stale = tmp_path / f".out.gguf.partial-{dead_pid()}"
+    live = tmp_path / f".out.gguf.partial-{os.getpid()}"     # this test process: alive
+    for d in (stale, live):
+        d.mkdir()
+        (d / "out.gguf").write_bytes(b"GGUF" + bytes(4096))
+    r = run_cli(ckpt, tmp_path / "out.gguf")
+    assert r.returncode == 0, r.stderr
+    assert not stale.exists() and (live / "out.gguf").exists()
+    notes = [line for line in r.stderr.splitlines() if str(stale) in line]
+    assert len(notes) == 1 and "removed" in notes[0], r.stderr
+    assert str(live) not in r.stderr
+
+
+# --- paths that are not what they should be ---------------------------------------------------
+
+def test_checkpoint_is_a_file(tmp_path, ckpt):
+    r = run_cli(ckpt / "config.json", tmp_path / "a.gguf")
+    assert_fails_cleanly(tmp_path, r, str(ckpt / "config.json"), "not a folder")
+
+
+@pytest.mark.parametrize("dry_run", [False, True], ids=["run", "dry-run"])
+def test_output_folder_missing(tmp_path, ckpt, dry_run):
+    r = run_cli(ckpt, tmp_path / "nonexistent-dir" / "a.gguf", *(["--dry-run"] if dry_run else []))
+    assert_fails_cleanly(tmp_path, r, str(tmp_path / "nonexistent-dir"), "no such folder")
+    assert r.stdout == ""
+
+
+def test_output_folder_is_a_file(tmp_path, ckpt):
+    (tmp_path / "file").write_text("x")
+    r = run_cli(ckpt, tmp_path / "file" / "a.gguf")
+    assert_fails_cleanly(tmp_path, r, str(tmp_path / "file"), "not a folder")
+
+
+def test_output_is_a_folder(tmp_path, ckpt):
+    (tmp_path / "out.gguf").mkdir()
+    r = run_cli(ckpt, tmp_path / "out.gguf", "--force")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert [line for line in r.stderr.splitlines() if line.startswith("error:")] == [
+        f"error: {tmp_path / 'out.gguf'}: is a folder; give the output file's name, e.g. "
+        f"{tmp_path / 'out.gguf' / 'model.gguf'}"]
+    assert list((tmp_path / "out.gguf").iterdir()) == []
 
 
 def test_existing_output_needs_force(tmp_path, ckpt):
@@ -181,6 +365,83 @@ def test_existing_output_needs_force(tmp_path, ckpt):
 def test_dry_run_writes_nothing(tmp_path, ckpt):
     r = run_cli(ckpt, tmp_path / "out.gguf", "--dry-run")
     assert r.returncode == 0, r.stderr
-    assert "total" in r.stderr and "peak RAM" in r.stderr and "split files: 1" in r.stderr
-    assert "dropped (vision/projector): 18 tensors" in r.stderr
-    assert not (tmp_path / "out.gguf").exists()
+    assert "total" in r.stdout and "peak RAM" in r.stdout and "split files: 1" in r.stdout
+    assert "dropped (vision/projector): 18 tensors" in r.stdout
+    assert list(tmp_path.iterdir()) == [ckpt]
+
+
+# --- the dry run checks what the real run checks -----------------------------------------------
+
+@pytest.mark.parametrize("dry_run", [False, True], ids=["run", "dry-run"])
+def test_missing_vocabulary(tmp_path, ckpt, dry_run):
+    (ckpt / "tiktoken.model").unlink()
+    r = run_cli(ckpt, tmp_path / "out.gguf", *(["--dry-run"] if dry_run else []))
+    assert_fails_cleanly(tmp_path, r, str(ckpt / "tiktoken.model"))
+
+
+def test_dry_run_refuses_an_existing_output(tmp_path, ckpt):
+    out = tmp_path / "out.gguf"
+    out.write_bytes(b"precious")
+    r = run_cli(ckpt, out, "--dry-run")
+    assert r.returncode == 1 and f"error: {out}: already exists (use --force to overwrite)" in r.stderr
+    r = run_cli(ckpt, out, "--dry-run", "--force")
+    assert r.returncode == 0, r.stderr
+    assert f"overwrites {out}" in r.stdout
+    assert out.read_bytes() == b"precious"
+
+
+@pytest.mark.parametrize("size", ["10", "-5G"])
+def test_split_size_below_the_minimum(tmp_path, ckpt, size):
+    r = run_cli(ckpt, tmp_path / "out.gguf", f"--split-max-size={size}")
+    assert_fails_cleanly(tmp_path, r, f"--split-max-size {size}", "at least 1M (1,000,000 bytes)")
+
+
+def test_split_size_minimum_is_1m():
+    from kimi_convert.cli import parse_size
+    from kimi_convert.gguf_io import check_split_max_size
+    from kimi_convert.errors import OutputError
+    for size in ("10", "999999", "0.5M", "0", "-5G", "-1M"):
+        with pytest.raises(OutputError, match="at least 1M"):
+            check_split_max_size(parse_size(size), size)
+    for size, n in (("1M", 10**6), ("1000000", 10**6), ("1.5G", 15 * 10**8), ("50G", 5 * 10**10)):
+        assert parse_size(size) == n
+        check_split_max_size(n, size)
+
+
+def test_split_size_at_the_minimum(tmp_path, ckpt):
+    from kimi_convert.convert import build_plan
+    r = run_cli(ckpt, tmp_path / "out.gguf", "--split-max-size", "1M", "--dry-run")
+    assert r.returncode == 0, r.stderr
+    assert f"split files: {build_plan(ckpt).n_files(0, 1_000_000)};" in r.stdout
+
+
+def fake_free_disk(free: int) -> str:
+    return f"""
+import shutil
+_disk_usage = shutil.disk_usage
+shutil.disk_usage = lambda path: _disk_usage(path)._replace(free={free})
+"""
+
+
+@pytest.mark.parametrize("dry_run", [False, True], ids=["run", "dry-run"])
+def test_not_enough_disk_has_its_own_exit_code(tmp_path, ckpt, dry_run):
+    """Exit 3 = the disk is too small, 1 = anything else; the dry run decides exactly as the run does:
+    tensor bytes + 64 MiB, or more, free."""
+    from kimi_convert.convert import build_plan
+    need = build_plan(ckpt).total_bytes + (64 << 20)
+    args = [ckpt, tmp_path / "out.gguf"] + (["--dry-run"] if dry_run else [])
+    r = run_cli(*args, patch=fake_free_disk(need - 1))
+    assert_fails_cleanly(tmp_path, r, str(tmp_path), "not enough free disk", code=3)
+    if dry_run:
+        assert "NOT ENOUGH" in r.stdout
+    r = run_cli(*args, patch=fake_free_disk(need))
+    assert r.returncode == 0, r.stderr
+    if dry_run:
+        assert "(enough)" in r.stdout
+
+
+def test_bad_input_wins_over_a_small_disk(tmp_path, ckpt):
+    """Both wrong: exit 1, since more disk would not help."""
+    (ckpt / "tiktoken.model").unlink()
+    r = run_cli(ckpt, tmp_path / "out.gguf", "--dry-run", patch=fake_free_disk(0))
+    assert_fails_cleanly(tmp_path, r, "tiktoken.model")

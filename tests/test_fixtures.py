@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fixtures.make_checkpoint import (
+from kimi_convert.fixtures.make_checkpoint import (
     FixtureSpec,
     bf16_bytes_to_f32,
     decode_raw,
@@ -480,7 +480,7 @@ def test_tokenizer_config(k3):
 @pytest.mark.parametrize("how", ["module", "file"])
 def test_cli(tmp_path, how):
     out = tmp_path / "ck"
-    head = [sys.executable, "-m", "fixtures.make_checkpoint"] if how == "module" else \
+    head = [sys.executable, "-m", "kimi_convert.fixtures.make_checkpoint"] if how == "module" else \
         [sys.executable, str(REPO / "fixtures" / "make_checkpoint.py")]
     args = [str(out), "--arch", "k31", "--layers", "4", "--seed", "3", "--n-shards", "4",
             "--no-experts-mxfp4", "--full-attn-layers", "2,4"]

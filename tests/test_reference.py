@@ -8,7 +8,7 @@ from kimi_convert.reference import E2M1_VALUES, ReferenceModel, dequantize_mxfp4
 
 
 def _make(tmp_path_factory, arch):
-    from fixtures.make_checkpoint import make_checkpoint
+    from kimi_convert.fixtures.make_checkpoint import make_checkpoint
 
     return str(make_checkpoint(str(tmp_path_factory.mktemp(arch)), arch=arch, n_layers=8, seed=0))
 
@@ -163,7 +163,7 @@ def test_k31_causality(k31_dir):
 
 def test_bf16_experts_match_mxfp4_experts(tmp_path):
     # the fixture's BF16 experts are the exact dequantisation of its MXFP4 ones
-    from fixtures.make_checkpoint import make_checkpoint
+    from kimi_convert.fixtures.make_checkpoint import make_checkpoint
 
     mx = ReferenceModel(str(make_checkpoint(str(tmp_path / "mx"), arch="k3", n_layers=3, seed=0)))
     bf = ReferenceModel(str(make_checkpoint(str(tmp_path / "bf"), arch="k3", n_layers=3, seed=0,
@@ -184,7 +184,7 @@ def test_name_variants_and_unsharded_file(tmp_path, rename):
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from fixtures.make_checkpoint import make_checkpoint
+    from kimi_convert.fixtures.make_checkpoint import make_checkpoint
 
     src = str(make_checkpoint(str(tmp_path / "src"), arch="k31", n_layers=4, seed=0))
     dst = tmp_path / "dst"

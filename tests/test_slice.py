@@ -9,7 +9,7 @@ import pytest
 from safetensors import safe_open
 from typer.testing import CliRunner
 
-from fixtures.make_checkpoint import read_safetensors_raw
+from kimi_convert.fixtures.make_checkpoint import read_safetensors_raw
 from kimi_convert.checkpoint import Checkpoint
 from kimi_convert.convert import build_plan, convert
 from kimi_convert.errors import KimiError, OutputError

@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +17,7 @@ from typer.testing import CliRunner
 
 from kimi_convert import runtime as runtime_mod
 from kimi_convert.convert import build_plan, convert
+from kimi_convert.fixtures.make_checkpoint import make_checkpoint
 from kimi_convert.gguf_io import open_gguf
 from kimi_convert.model import KimiConfig
 from kimi_convert.verify import (DIVERGENCE_MIN, TOLERANCES, Part, _Runs, check_k31, check_tensors, compare_logits,
@@ -279,3 +283,103 @@ def test_cli_usage_errors_are_one_line(tmp_path, converted):
     assert res.exit_code == 1 and "error:" in res.output                 # not a checkpoint
     res = runner.invoke(app, ["check", str(converted("k3", "bf16")), "--length", "12"])
     assert res.exit_code == 0, res.output
+
+
+# ------------------------------------------------------------------------------------
+# the report says the one thing that is wrong, and only what is true
+
+NO_TORCH = '''
+import sys
+class NoTorch:
+    """`import torch` fails as on an install without the [verify] extra."""
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, NoTorch())
+'''
+
+
+def run_without_torch(tmp_path, *args) -> subprocess.CompletedProcess:
+    blocker = tmp_path / "no-torch"
+    blocker.mkdir(exist_ok=True)
+    (blocker / "sitecustomize.py").write_text(NO_TORCH)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(blocker), *filter(None, [os.environ.get("PYTHONPATH")])]),
+               COLUMNS="200")
+    return subprocess.run([sys.executable, "-c", "from kimi_convert.verify_cli import main; main()", *map(str, args)],
+                          capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_missing_torch_is_not_the_files_fault(tmp_path, converted, k31_dir):
+    good = converted("k31", "bf16")
+    res = run_without_torch(tmp_path, "check", k31_dir, good, "--length", 8, "--json", tmp_path / "r.json")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "ModuleNotFoundError" not in res.stdout + res.stderr
+    assert "the torch reference needs torch: pip install 'kimi-convert[verify]' (torch==2.13.0, CPU)" in res.stdout
+    parts = {p["key"]: p for p in json.loads((tmp_path / "r.json").read_text())["parts"]}
+    assert parts["logits"]["ok"] is None and parts["perplexity"]["ok"] is None       # n/a, not failed
+    assert parts["tensors"]["ok"] and parts["metadata"]["ok"]                        # still judged
+    assert parts["k31"]["ok"] and parts["k31"]["figures"]["divergence_kl_max"] > DIVERGENCE_MIN  # runtime half
+    # and a broken file still fails, on the parts that need no torch
+    bad = flip_byte(good, tmp_path / "bad.gguf", "blk.3.attn_q_b.weight", at=1)
+    res = run_without_torch(tmp_path, "check", k31_dir, bad, "--length", 8)
+    assert res.returncode == 1 and "blk.3.attn_q_b.weight" in res.stdout
+
+
+def test_a_checkpoint_of_another_seed_is_one_line(tmp_path, converted):
+    other = make_checkpoint(tmp_path / "seed1", arch="k3", seed=1)
+    part = check_tensors(Part("tensors", "t"), build_plan(other, "f32"), open_gguf(converted("k3", "bf16")),
+                         lambda s: None)
+    assert part.failures == [f"none of the 218 tensors holds the values of its source in {other}: "
+                             f"the file was not converted from this checkpoint"]
+    assert part.summary == "0/218 tensors match their HF source (0/212 bit-exact, 0/6 ssm_a within 4 ulp)"
+    assert len(part.rows) == 218 and not any(r["ok"] for r in part.rows)              # details in --json
+
+
+def test_not_a_gguf_is_one_message(tmp_path):
+    bad = tmp_path / "notes.gguf"
+    bad.write_text("these are notes, not a model\n")
+    report = verify(bad)
+    assert [p.key for p in report.parts] == ["structure"]
+    s = report.part("structure")
+    assert s.failures == [f"{bad}: not a GGUF file (it does not start with the GGUF magic)"]
+    assert s.summary == "not a readable GGUF file"
+    res = CliRunner().invoke(app, ["check", str(bad)])
+    assert res.exit_code == 1 and res.output.count("GGUF magic") == 1 and "aligned" not in res.output
+
+
+def test_a_truncated_gguf_says_truncated(tmp_path, converted):
+    data = converted("k3", "f32").read_bytes()
+    size = len(data) - 1000
+    cut = next(t for t in open_gguf(converted("k3", "f32")).tensors.values() if t.offset + t.nbytes > size)
+    for kept, says in ((data[:size], f"truncated: tensor {cut.name} ends at byte {cut.offset + cut.nbytes}, "
+                                     f"the file has {size} bytes"),
+                       (data[:3000], "truncated: the header goes on past byte 3000, the end of the file")):
+        f = tmp_path / "cut.gguf"
+        f.write_bytes(kept)
+        assert verify(f).part("structure").failures == [f"{f}: {says}"]
+
+
+def test_another_architecture_is_one_line(converted, k31_dir):
+    report = verify(converted("k3", "bf16"), k31_dir, length=8)
+    assert failures(report) == {"metadata": [
+        f"general.architecture is kimi-k3, but {k31_dir} is a kimi-k31 checkpoint: the file was not made from it"]}
+    assert {p.key: p.ok for p in report.parts} == {"structure": True, "tensors": None, "metadata": False,
+                                                  "logits": None, "perplexity": None}
+
+
+def test_the_lone_check_names_no_reference_tolerance(converted):
+    res = CliRunner().invoke(app, ["check", str(converted("k3", "bf16")), "--length", "8"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    assert "reference" not in res.output                     # there is none: nothing is relative to it
+    assert "no logits tolerance applies: logits are compared only against a checkpoint" in res.output
+
+
+def test_the_json_path_is_checked_before_any_work(tmp_path, monkeypatch, converted):
+    import kimi_convert.verify as verify_mod
+    monkeypatch.setattr(verify_mod, "verify", lambda *a, **k: pytest.fail("the check ran before the path was checked"))
+    gguf = str(converted("k3", "bf16"))
+    for target, says in ((Path("/nonexistent/r.json"), "the folder /nonexistent does not exist"),
+                         (tmp_path, "is a folder")):
+        res = CliRunner().invoke(app, ["check", gguf, "--json", str(target)])
+        assert res.exit_code == 1 and res.output.startswith(f"error: {target}: ") and says in res.output, res.output
+        assert res.output.count("\n") == 1

@@ -210,3 +210,45 @@ def _child_main(req_path: str) -> int:
 
 if __name__ == "__main__":
     sys.exit(_child_main(sys.argv[1]))
+
+
+class _TensorOverride(ctypes.Structure):        # struct llama_model_tensor_override (include/llama.h)
+    _fields_ = [("pattern", ctypes.c_char_p), ("type", ctypes.c_int)]
+
+
+class _ImatrixData(ctypes.Structure):           # struct llama_model_imatrix_data
+    _fields_ = [("name", ctypes.c_char_p), ("data", ctypes.POINTER(ctypes.c_float)), ("size", ctypes.c_size_t)]
+
+
+def llama_quantize(src, dst, ftype: int, *, pure: bool = True, threads: int = 2, allow_requantize: bool = False,
+                   tensor_types: Sequence[tuple[str, int]] = (), imatrix: Mapping[str, np.ndarray] | None = None
+                   ) -> Path:
+    """llama-quantize's own code in-process (``llama_model_quantize``): SRC -> DST at llama file type FTYPE.
+
+    ``pure`` is llama-quantize's ``--pure``; ``tensor_types`` its ``--tensor-type REGEX=TYPE`` list (regexes as
+    given: the tool lower-cases them before this call); ``imatrix`` the loaded vectors by tensor name, as the
+    tool hands them over (the ``quantize.imatrix.*`` keys are the tool's, not this function's). Raises
+    InteropError with llama.cpp's log reason when it fails."""
+    llama_cpp = _import_llama_cpp()
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.pure, params.nthread = int(ftype), bool(pure), int(threads)
+    params.allow_requantize = bool(allow_requantize)
+    keep = []                                   # the C arrays must outlive the call
+    if tensor_types:
+        arr = (_TensorOverride * (len(tensor_types) + 1))(
+            *[_TensorOverride(pat.encode(), int(t)) for pat, t in tensor_types], _TensorOverride(None, 0))
+        keep.append(arr)
+        params.tt_overrides = ctypes.cast(arr, type(params.tt_overrides))
+    if imatrix:
+        vectors = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in imatrix.items()}
+        keep.append(vectors)
+        arr = (_ImatrixData * (len(vectors) + 1))(
+            *[_ImatrixData(k.encode(), v.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), v.size)
+              for k, v in vectors.items()], _ImatrixData(None, None, 0))
+        keep.append(arr)
+        params.imatrix = ctypes.cast(arr, type(params.imatrix))
+    with _captured_llama_log() as lines:
+        rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    if rc != 0 or not Path(dst).is_file():
+        raise InteropError(f"llama_model_quantize failed on {src} (rc {rc}):\n{_error_text(lines)}")
+    return Path(dst)

@@ -1,0 +1,103 @@
+#!/usr/bin/env python3
+"""Quantizer kernel benchmark (not a test): kimi_convert.quant against ggml's ggml_quantize_chunk.
+
+    python benchmarks/bench_quant_kernels.py [--mb 64] [--width 7168] [--types Q8_0,Q4_K,...]
+                                             [--threads 1,2] [--imatrix both|none|only] [--repeats 2]
+
+Both sides get the same float32 matrix (``--mb`` MB of rows ``--width`` wide: Student-t values rounded to
+bf16, like weights dequantized from a BF16 checkpoint) and, with an imatrix, the same random positive
+importance vector with 10% zeros. ggml is llama-cpp-python's libggml-base.so through ctypes; with N threads
+it gets N row chunks in N Python threads (ctypes releases the GIL), as llama-quantize splits a tensor;
+ours runs its numba kernels on N threads (``numba.set_num_threads``). Each (type, imatrix, threads) is
+timed ``--repeats`` times, alternating the two sides, and the best time of each is kept; the kernels are
+compiled (or loaded from numba's cache) before timing. Prints, per case, both times, the ratio
+ours/ggml (goal <= 2.0) and whether the bytes are equal.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gguf import GGMLQuantizationType as QT  # noqa: E402
+
+from kimi_convert.interop.ggml_quants import ggml_quantize  # noqa: E402
+from kimi_convert.quant import quantize  # noqa: E402
+
+TYPES = "Q8_0,Q4_0,Q5_0,Q2_K,Q3_K,Q4_K,Q5_K,Q6_K,IQ4_NL,IQ4_XS,F16,BF16,F32"
+
+
+def weights_like(n_rows: int, width: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_t(5, size=(n_rows, width)) * 0.02).astype(np.float32)
+    bits = x.view(np.uint32)
+    bits += 0x7FFF + ((bits >> 16) & 1)   # round to bf16, nearest even
+    bits &= 0xFFFF0000
+    return x
+
+
+def importance(width: int, seed: int = 1) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    im = rng.lognormal(0.0, 1.0, width).astype(np.float32)
+    im[rng.random(width) < 0.1] = 0.0
+    return im
+
+
+def best_time(fn, repeats: int) -> tuple[float, np.ndarray]:
+    best, out = float("inf"), None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t0)
+    return best, out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mb", type=float, default=64.0, help="float32 input size in MB (default 64)")
+    ap.add_argument("--width", type=int, default=7168, help="row length (default 7168)")
+    ap.add_argument("--types", default=TYPES)
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--imatrix", choices=("both", "none", "only"), default="both")
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args()
+
+    n_rows = max(2, int(args.mb * 1e6 / 4 / args.width))
+    x = weights_like(n_rows, args.width)
+    im = importance(args.width)
+    types = [QT[t.strip().upper()] for t in args.types.split(",")]
+    threads = [int(t) for t in args.threads.split(",")]
+    variants = {"both": (False, True), "none": (False,), "only": (True,)}[args.imatrix]
+    print(f"input: {n_rows} x {args.width} float32 = {x.nbytes / 1e6:.1f} MB; best of {args.repeats}")
+    print(f"{'type':7} {'imatrix':7} {'thr':>3} {'ggml s':>8} {'ours s':>8} {'ratio':>6} {'ours Mval/s':>11}  bytes")
+    worst = 0.0
+    for qt in types:
+        for with_im in variants:
+            if with_im and qt in (QT.F32, QT.F16, QT.BF16, QT.Q8_0):
+                continue   # the imatrix is not used by these types
+            qw = im if with_im else None
+            quantize(x[:2], qt, qw)  # compile / load the kernels outside the timing
+            for nt in threads:
+                t_ggml = t_ours = float("inf")
+                ref = ours = None
+                for _ in range(args.repeats):   # alternate, so that load changes hit both sides alike
+                    t, ref = best_time(lambda: ggml_quantize(x, qt, qw, threads=nt), 1)
+                    t_ggml = min(t_ggml, t)
+                    t, ours = best_time(lambda: quantize(x, qt, qw, threads=nt), 1)
+                    t_ours = min(t_ours, t)
+                ratio = t_ours / t_ggml
+                worst = max(worst, ratio)
+                equal = "equal" if np.array_equal(ref, ours) else "DIFFERENT"
+                print(f"{qt.name:7} {'yes' if with_im else 'no':7} {nt:3d} {t_ggml:8.3f} {t_ours:8.3f} {ratio:6.2f} "
+                      f"{x.size / t_ours / 1e6:11.1f}  {equal}", flush=True)
+    print(f"worst ratio: {worst:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

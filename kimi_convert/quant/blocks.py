@@ -1,0 +1,274 @@
+"""One class per ggml type, registered by type (as gguf-py's ``gguf/quants.py`` does).
+
+Each class names the ggml function its kernels mirror, for the two paths ``ggml_quantize_chunk`` takes
+(ggml.c -> ``quantize_<type>`` in ggml-quants.c): without an imatrix most types run their
+``quantize_row_<type>_ref``; with one, their ``quantize_row_<type>_impl``. Q8_0 ignores the imatrix.
+IQ4_NL and IQ4_XS always run ``quantize_row_iq4_nl_impl`` with ntry=7 (weights x^2 when there is no imatrix);
+``quantize_row_iq4_nl_ref`` (ntry=-1) is a different quantizer that llama-quantize never calls.
+"""
+from __future__ import annotations
+
+from typing import Callable, ClassVar
+
+import numba
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
+from gguf import quants as _gguf_quants
+
+from . import kernels
+
+_REGISTRY: dict[QT, type["BlockType"]] = {}
+
+
+class BlockType:
+    qtype: ClassVar[QT]
+    block_size: ClassVar[int]
+    type_size: ClassVar[int]
+    mirrors: ClassVar[str]                      # the ggml function behind ggml_quantize_chunk(..., imatrix=NULL)
+    mirrors_imatrix: ClassVar[str | None] = None  # ... and with an imatrix; None: the imatrix is not used
+    scale_offsets: ClassVar[tuple[int, ...]] = ()  # byte offsets of the fp16 scales ggml_validate_row_data checks
+    _ref: ClassVar[Callable]
+    _impl: ClassVar[Callable | None] = None
+
+    def __init_subclass__(cls, qtype: QT, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.qtype = qtype
+        cls.block_size, cls.type_size = GGML_QUANT_SIZES[qtype]
+        assert qtype not in _REGISTRY
+        _REGISTRY[qtype] = cls
+
+    @classmethod
+    def uses_imatrix(cls) -> bool:
+        return cls.mirrors_imatrix is not None
+
+    @classmethod
+    def row_size(cls, n_per_row: int) -> int:
+        return n_per_row // cls.block_size * cls.type_size
+
+    @classmethod
+    def quantize_rows(cls, x: np.ndarray, imatrix: np.ndarray | None) -> np.ndarray:
+        """x: float32 [n_rows, n_per_row], C-contiguous, n_per_row a multiple of block_size (checked by the caller)."""
+        out = np.empty((x.shape[0], cls.row_size(x.shape[1])), np.uint8)
+        if imatrix is not None and cls._impl is not None:
+            cls._impl(x, imatrix, out)
+        else:
+            cls._ref(x, cls._out_view(out))
+        return out
+
+    @classmethod
+    def _out_view(cls, out: np.ndarray) -> np.ndarray:
+        return out
+
+
+# --- float types: conversions, not block quantizers (ggml_quantize_chunk's F32/F16/BF16 cases) ---
+
+class F32(BlockType, qtype=QT.F32):
+    mirrors = "memcpy"
+
+    @classmethod
+    def quantize_rows(cls, x, imatrix):
+        return x.view(np.uint8).copy()
+
+
+class F16(BlockType, qtype=QT.F16):
+    mirrors = "ggml_fp32_to_fp16_row"
+    _ref = staticmethod(kernels.f16_rows)
+
+    @classmethod
+    def _out_view(cls, out):
+        return out.view(np.uint16)
+
+
+class BF16(BlockType, qtype=QT.BF16):
+    mirrors = "ggml_fp32_to_bf16_row_ref"
+    _ref = staticmethod(kernels.bf16_rows)
+
+    @classmethod
+    def _out_view(cls, out):
+        return out.view(np.uint16)
+
+
+# --- 32-element blocks ---
+
+class Q8_0(BlockType, qtype=QT.Q8_0):
+    mirrors = "quantize_row_q8_0_ref"  # quantize_q8_0 ignores quant_weights
+    scale_offsets = (0,)
+    _ref = staticmethod(kernels.q8_0_rows)
+
+
+class Q4_0(BlockType, qtype=QT.Q4_0):
+    mirrors = "quantize_row_q4_0_ref"
+    mirrors_imatrix = "quantize_row_q4_0_impl"
+    scale_offsets = (0,)
+    _ref = staticmethod(kernels.q4_0_ref_rows)
+    _impl = staticmethod(kernels.q4_0_impl_rows)
+
+
+class Q5_0(BlockType, qtype=QT.Q5_0):
+    mirrors = "quantize_row_q5_0_ref"
+    mirrors_imatrix = "quantize_row_q5_0_impl"
+    scale_offsets = (0,)
+    _ref = staticmethod(kernels.q5_0_ref_rows)
+    _impl = staticmethod(kernels.q5_0_impl_rows)
+
+
+class IQ4_NL(BlockType, qtype=QT.IQ4_NL):
+    mirrors = "quantize_row_iq4_nl_impl (32, ntry=7, weights x^2)"
+    mirrors_imatrix = "quantize_row_iq4_nl_impl (32, ntry=7)"
+    scale_offsets = (0,)
+    _ref = staticmethod(kernels.iq4_nl_rows)
+    _impl = staticmethod(kernels.iq4_nl_impl_rows)
+
+
+# --- 256-element super-blocks ---
+
+class Q2_K(BlockType, qtype=QT.Q2_K):
+    mirrors = "quantize_row_q2_K_ref"
+    mirrors_imatrix = "quantize_row_q2_K_impl"
+    scale_offsets = (80, 82)  # d, dmin
+    _ref = staticmethod(kernels.q2_K_ref_rows)
+    _impl = staticmethod(kernels.q2_K_impl_rows)
+
+
+class Q3_K(BlockType, qtype=QT.Q3_K):
+    mirrors = "quantize_row_q3_K_ref"
+    mirrors_imatrix = "quantize_row_q3_K_impl"
+    scale_offsets = (108,)
+    _ref = staticmethod(kernels.q3_K_ref_rows)
+    _impl = staticmethod(kernels.q3_K_impl_rows)
+
+
+class Q4_K(BlockType, qtype=QT.Q4_K):
+    mirrors = "quantize_row_q4_K_ref"
+    mirrors_imatrix = "quantize_row_q4_K_impl"
+    scale_offsets = (0, 2)
+    _ref = staticmethod(kernels.q4_K_ref_rows)
+    _impl = staticmethod(kernels.q4_K_impl_rows)
+
+
+class Q5_K(BlockType, qtype=QT.Q5_K):
+    mirrors = "quantize_row_q5_K_ref"
+    mirrors_imatrix = "quantize_row_q5_K_impl"
+    scale_offsets = (0, 2)
+    _ref = staticmethod(kernels.q5_K_ref_rows)
+    _impl = staticmethod(kernels.q5_K_impl_rows)
+
+
+class Q6_K(BlockType, qtype=QT.Q6_K):
+    mirrors = "quantize_row_q6_K_ref"
+    mirrors_imatrix = "quantize_row_q6_K_impl"
+    scale_offsets = (208,)
+    _ref = staticmethod(kernels.q6_K_ref_rows)
+    _impl = staticmethod(kernels.q6_K_impl_rows)
+
+
+class IQ4_XS(BlockType, qtype=QT.IQ4_XS):
+    mirrors = "quantize_row_iq4_nl_impl (256/32, ntry=7, weights x^2)"
+    mirrors_imatrix = "quantize_row_iq4_nl_impl (256/32, ntry=7)"
+    scale_offsets = (0,)
+    _ref = staticmethod(kernels.iq4_xs_rows)
+    _impl = staticmethod(kernels.iq4_xs_impl_rows)
+
+
+def block_type(qtype: QT) -> type[BlockType]:
+    try:
+        return _REGISTRY[QT(qtype)]
+    except (KeyError, ValueError):
+        names = ", ".join(t.name for t in _REGISTRY)
+        raise ValueError(f"no quantizer for ggml type {getattr(qtype, 'name', qtype)} (have {names})") from None
+
+
+def supported_types() -> tuple[QT, ...]:
+    return tuple(_REGISTRY)
+
+
+# --- the API: quantize, dequantize, validate ---
+
+class InvalidBlockError(ValueError):
+    """Data ggml_validate_row_data rejects: ``block`` is the index of the first bad block (or element)."""
+
+    def __init__(self, qtype: QT, block: int, what: str):
+        super().__init__(f"{qtype.name}: found {what} value at block {block}")
+        self.qtype, self.block, self.what = qtype, block, what
+
+
+def row_size(qtype: QT, n_per_row: int) -> int:
+    """Bytes of one quantized row; ValueError if n_per_row is not a multiple of the type's block size."""
+    bt = block_type(qtype)
+    if n_per_row <= 0 or n_per_row % bt.block_size:
+        raise ValueError(f"{bt.qtype.name}: row length {n_per_row} is not a positive multiple of {bt.block_size}")
+    return bt.row_size(n_per_row)
+
+
+def quantize(values: np.ndarray, qtype: QT, imatrix: np.ndarray | None = None, *,
+             threads: int | None = None) -> np.ndarray:
+    """float32 [n_rows, n_per_row] -> uint8 [n_rows, row_size]: ggml_quantize_chunk's bytes for these rows.
+
+    ``imatrix``: float32 [n_per_row] importance weights (one per column), or None. As in ggml it selects the
+    ``_impl`` quantizer of the types that have one and is ignored by Q8_0 and the float types."""
+    bt = block_type(qtype)
+    x = np.ascontiguousarray(values, dtype=np.float32)
+    if x.ndim != 2:
+        raise ValueError(f"{bt.qtype.name}: values must be 2-D [n_rows, n_per_row], got shape {x.shape}")
+    row_size(bt.qtype, x.shape[1])
+    qw = None
+    if imatrix is not None and bt.uses_imatrix():
+        qw = np.ascontiguousarray(imatrix, dtype=np.float32)
+        if qw.shape != (x.shape[1],):
+            raise ValueError(f"{bt.qtype.name}: imatrix has shape {qw.shape}, rows have {x.shape[1]} columns")
+    if threads is None:
+        return bt.quantize_rows(x, qw)
+    before = numba.get_num_threads()
+    numba.set_num_threads(threads)
+    try:
+        return bt.quantize_rows(x, qw)
+    finally:
+        numba.set_num_threads(before)
+
+
+def dequantize(data: np.ndarray, qtype: QT) -> np.ndarray:
+    """uint8 [n_rows, row_size] -> float32 [n_rows, n_per_row] (gguf-py's dequantizers, equal to ggml's)."""
+    bt = block_type(qtype)
+    data = np.ascontiguousarray(data, dtype=np.uint8)
+    if data.shape[-1] % bt.type_size:
+        raise ValueError(f"{bt.qtype.name}: {data.shape[-1]} bytes per row is not a multiple of {bt.type_size}")
+    return np.asarray(_gguf_quants.dequantize(data, bt.qtype), dtype=np.float32)
+
+
+def validate_blocks(data: np.ndarray, qtype: QT) -> None:
+    """ggml_validate_row_data: raise InvalidBlockError at the first NaN/Inf fp16 scale (d, then dmin, per
+    block), or for F16/BF16/F32 data at the first NaN/Inf value (BF16: NaNs before infinities, as ggml)."""
+    bt = block_type(qtype)
+    raw = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1)
+    if raw.size % bt.type_size:
+        raise ValueError(f"{bt.qtype.name}: {raw.size} bytes is not a multiple of the block size {bt.type_size}")
+    if bt.qtype == QT.F32:
+        bits = raw.view(np.uint32)
+        _raise_first(bt.qtype, (bits & 0x7F800000) == 0x7F800000, (bits & 0x007FFFFF) != 0)
+    elif bt.qtype == QT.BF16:
+        mag = raw.view(np.uint16) & 0x7FFF
+        nan = mag > 0x7F80
+        if nan.any():
+            raise InvalidBlockError(bt.qtype, int(np.argmax(nan)), "nan")
+        inf = mag == 0x7F80
+        if inf.any():
+            raise InvalidBlockError(bt.qtype, int(np.argmax(inf)), "inf")
+    elif bt.qtype == QT.F16:
+        h = raw.view(np.uint16)
+        _raise_first(bt.qtype, (h & 0x7C00) == 0x7C00, (h & 0x03FF) != 0)
+    else:
+        blocks = raw.reshape(-1, bt.type_size)
+        # [n_blocks, n_scales] fp16 bits, in the order ggml checks them (d before dmin)
+        h = np.stack([blocks[:, o].astype(np.uint16) | (blocks[:, o + 1].astype(np.uint16) << 8)
+                      for o in bt.scale_offsets], axis=1)
+        special = (h & 0x7C00) == 0x7C00
+        if special.any():
+            flat = int(np.argmax(special.reshape(-1)))
+            block, k = divmod(flat, len(bt.scale_offsets))
+            raise InvalidBlockError(bt.qtype, block, "nan" if h[block, k] & 0x03FF else "inf")
+
+
+def _raise_first(qtype: QT, special: np.ndarray, mantissa: np.ndarray) -> None:
+    if special.any():
+        i = int(np.argmax(special))
+        raise InvalidBlockError(qtype, i, "nan" if mantissa[i] else "inf")

@@ -1,0 +1,217 @@
+"""GGUF -> quantized GGUF: plan from the headers, then stream tensor by tensor through gguf_io's writer.
+
+Copied tensors (protected, `keep`, or already of the target type) go through as file ranges, byte for byte.
+A quantized tensor is read in row chunks that never cross an expert, dequantized to float32 as llama-quantize
+does (its `to_float`), quantized by the kernel of its target type with that expert's slice of the imatrix,
+and checked as `ggml_validate_row_data` checks it; no tensor is held whole. Metadata: every input key with its
+value type, `general.file_type` and `general.quantization_version` set, `split.*` dropped (the writer adds its
+own), and `quantize.imatrix.*` as llama-quantize writes them.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+from gguf import GGML_QUANT_VERSION, GGUFValueType, LlamaFileType
+from gguf import GGMLQuantizationType as QT
+from gguf.quants import dequantize
+
+from ..errors import KimiError
+from ..gguf_io import (GGUFFile, GGUFStreamWriter, GGUFTensor, OutTensor, check_free_disk, check_output_paths,
+                       check_split_max_size, disk_bytes, disk_room, iter_chunks_of, open_gguf, remove_stale,
+                       stale_partials)
+from ..model import KimiConfig
+from ..tensor_map import ggml_n_dims, gguf_group
+from .plan import Decision, QuantizeError, QuantPlan, plan_quantization
+from .policy import Policy
+
+CHUNK_VALUES = 4 << 20          # float32 values dequantized per chunk (16 MiB), whole rows
+SKIPPED_KEYS = ("GGUF.", "split.")
+
+# llama-quantize's file type for a default type (tools/quantize: "Q4_K" is Q4_K_M, "Q3_K" Q3_K_M, ...)
+FILE_TYPE = {
+    QT.F32: LlamaFileType.ALL_F32, QT.F16: LlamaFileType.MOSTLY_F16, QT.BF16: LlamaFileType.MOSTLY_BF16,
+    QT.Q8_0: LlamaFileType.MOSTLY_Q8_0, QT.Q4_0: LlamaFileType.MOSTLY_Q4_0, QT.Q5_0: LlamaFileType.MOSTLY_Q5_0,
+    QT.Q2_K: LlamaFileType.MOSTLY_Q2_K, QT.Q3_K: LlamaFileType.MOSTLY_Q3_K_M, QT.Q4_K: LlamaFileType.MOSTLY_Q4_K_M,
+    QT.Q5_K: LlamaFileType.MOSTLY_Q5_K_M, QT.Q6_K: LlamaFileType.MOSTLY_Q6_K,
+    QT.IQ4_NL: LlamaFileType.MOSTLY_IQ4_NL, QT.IQ4_XS: LlamaFileType.MOSTLY_IQ4_XS,
+}
+
+
+@dataclass
+class QuantizeResult:
+    paths: list[Path]
+    plan: QuantPlan
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+
+def file_type(policy: Policy, gf: GGUFFile) -> int:
+    """The default type's llama file type; `keep` keeps the input's."""
+    if policy.default is None:
+        return int(gf.fields.get("general.file_type", LlamaFileType.GUESSED))
+    return int(FILE_TYPE[policy.default])
+
+
+def plan_file(gf: GGUFFile, policy: Policy, *, allow_requantize: bool = False, strict: bool = False) -> QuantPlan:
+    KimiConfig.from_gguf(gf.fields)          # a kimi-k3 / kimi-k31 file, or a clear error
+    return plan_quantization(((t.name, t.shape, t.qtype) for t in gf.tensors.values()), policy,
+                             allow_requantize=allow_requantize, strict=strict)
+
+
+def metadata(gf: GGUFFile, ftype: int, extra: list[tuple[str, object, GGUFValueType]]) -> list[tuple]:
+    """(key, value, type, element type) for the output, in input order; set keys move to the end,
+    as llama-quantize's gguf_set_val does."""
+    set_here = {"general.file_type": (ftype, GGUFValueType.UINT32),
+                "general.quantization_version": (GGML_QUANT_VERSION, GGUFValueType.UINT32)}
+    set_here.update({k: (v, t) for k, v, t in extra})
+    out = []
+    for k, v in gf.fields.items():
+        if k.startswith(SKIPPED_KEYS) or k == "general.architecture" or k in set_here:
+            continue
+        vtype, sub = gf.types[k]
+        out.append((k, v, vtype, sub))
+    return out + [(k, v, t, None) for k, (v, t) in set_here.items()]
+
+
+def quantize_file(src: Path, out: Path, policy: Policy, *, imatrix=None, allow_requantize: bool = False,
+                  strict: bool = False, force: bool = False, split_max_size: int = 0, keep_split: bool = False,
+                  threads: int = 0, on_bytes: Callable[[int], None] = lambda n: None,
+                  log: Callable[[str], None] = lambda s: None) -> QuantizeResult:
+    gf = open_gguf(Path(src))
+    plan = plan_file(gf, policy, allow_requantize=allow_requantize, strict=strict)
+    preflight(gf, plan, Path(out), force=force, split_max_size=split_max_size, log=log)
+    notes: list[str] = []
+    vectors = imatrix_vectors(plan, imatrix, notes) if imatrix is not None else {}
+    extra = imatrix.metadata() if imatrix is not None else []
+    writer = GGUFStreamWriter(Path(out), gf.arch, split_max_size=split_max_size, force=force)
+    for key, value, vtype, sub in metadata(gf, file_type(policy, gf), extra):
+        writer.add_kv(key, value, vtype, sub)
+    part = {p: i for i, p in enumerate(gf.paths)}
+    tensors = [OutTensor(d.name, d.target, ggml_shape(d.shape), (lambda d=d: chunks(d, gf.tensors[d.name], vectors.get(d.name))),
+                         part[gf.tensors[d.name].path] if keep_split else None)
+               for d in plan.decisions]
+    if threads:
+        import numba                            # noqa: PLC0415
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    start = time.perf_counter()
+    paths = writer.write(tensors, on_bytes)
+    return QuantizeResult(paths, plan, time.perf_counter() - start, notes)
+
+
+def ggml_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape as llama-quantize stores it: ggml_n_dims dimensions, trailing 1s of ne (leading 1s here) dropped."""
+    return shape[len(shape) - ggml_n_dims(shape):]
+
+
+def preflight(gf: GGUFFile, plan: QuantPlan, out: Path, *, force: bool, split_max_size: int,
+              log: Callable[[str], None]) -> None:
+    """What the run checks before it writes a byte (the converter's checks, from the one GGUF layer)."""
+    if out.resolve() in {p.resolve() for p in gf.paths}:
+        raise KimiError(f"{out}: is the input file; write the output elsewhere")
+    if split_max_size:
+        check_split_max_size(split_max_size)
+    check_output_paths([out], force)
+    stale = stale_partials(out)
+    room = disk_room(plan.target_bytes, out, sum(disk_bytes(p) for p in stale))
+    remove_stale(stale, log)
+    check_free_disk(room)
+
+
+def imatrix_coverage(plan: QuantPlan, imatrix) -> list[str]:
+    """Per layer, how many experts of each quantized tensor had no data (llama.cpp: quantized with 1.0)."""
+    from .imatrix import coverage_lines     # noqa: PLC0415
+    return coverage_lines(imatrix.coverage((d.name, d.shape) for d in plan.decisions if not d.copied))
+
+
+def imatrix_vectors(plan: QuantPlan, imatrix, notes: list[str]) -> dict[str, np.ndarray]:
+    """The imatrix vector of every tensor that is quantized, validated against its shape as llama-quantize does
+    for every one (Q8_0 then ignores it)."""
+    out = {}
+    for d in plan.decisions:
+        if not d.copied:
+            v = imatrix.vector(d.name, d.shape, on_skip=notes.append)
+            if v is not None:
+                out[d.name] = v
+    return out
+
+
+def chunks(d: Decision, t: GGUFTensor, imatrix: np.ndarray | None) -> Iterator:
+    """The output bytes of one tensor: its stored bytes, or its quantized rows chunk by chunk."""
+    if d.copied:
+        yield from iter_chunks_of(t)
+        return
+    from .blocks import InvalidBlockError, quantize, validate_blocks     # noqa: PLC0415
+    n_per_row = d.shape[-1]
+    rows_per_mat = d.shape[-2] if len(d.shape) > 1 else 1
+    n_mats = int(np.prod(d.shape[:-2], dtype=np.int64)) if len(d.shape) > 2 else 1
+    stored = t.raw.reshape(n_mats * rows_per_mat, -1)     # one stored row per row, values or block bytes
+    step = max(1, CHUNK_VALUES // n_per_row)
+    for e in range(n_mats):                             # a chunk never crosses an expert (llama-quantize)
+        weights = None if imatrix is None else imatrix[e * n_per_row:(e + 1) * n_per_row]
+        for a in range(e * rows_per_mat, (e + 1) * rows_per_mat, step):
+            b = min(a + step, (e + 1) * rows_per_mat)
+            x = np.asarray(dequantize(stored[a:b], t.qtype), dtype=np.float32).reshape(b - a, n_per_row)
+            q = quantize(x, d.target, weights)
+            try:
+                validate_blocks(q, d.target)
+            except InvalidBlockError as err:      # as llama-quantize's ggml_validate_row_data check
+                raise QuantizeError(f"{d.name}: rows {a}-{b - 1} quantize to invalid {d.target.name} data "
+                                    f"({err}); is the source finite?") from None
+            yield q
+
+
+# ------------------------------------------------------------------------------------
+# estimates for --dry-run (headers only, plus a small sample quantized on this machine)
+
+COPY_BYTES_PER_S = 1e9          # the stated disk speed for copied bytes (docs/performance.md)
+BASE_RSS = 200 << 20            # interpreter, numpy, numba, the GGUF index
+
+
+@dataclass
+class EstimateRow:
+    label: str
+    n: int
+    nbytes: int
+    seconds: float
+
+
+@dataclass
+class Estimate:
+    rows: list[EstimateRow]
+    seconds: float
+    peak_ram: int
+    basis: str
+
+
+def estimate(plan: QuantPlan, sample_rows: int = 64, n_per_row: int = 4096) -> Estimate:
+    """Output bytes and time per target type: copies at COPY_BYTES_PER_S, quantization at the speed a
+    sample of `sample_rows` x `n_per_row` values is quantized here, per type."""
+    from .blocks import quantize            # noqa: PLC0415
+    x = np.random.default_rng(0).standard_normal((sample_rows, n_per_row)).astype(np.float32)
+    speed: dict[QT, float] = {}
+    groups: dict[str, list[Decision]] = {}
+    for d in plan.decisions:
+        how = f"copied {d.source.name}" if d.copied else f"{d.source.name} -> {d.target.name}"
+        groups.setdefault(f"{gguf_group(d.name)}: {how}", []).append(d)
+    rows = []
+    for label, ds in sorted(groups.items(), key=lambda kv: -sum(d.target_bytes for d in kv[1])):
+        nbytes = sum(d.target_bytes for d in ds)
+        if ds[0].copied:
+            seconds = nbytes / COPY_BYTES_PER_S
+        else:
+            qtype = ds[0].target
+            if qtype not in speed:
+                quantize(x[:1], qtype)                      # compile / warm up
+                t0 = time.perf_counter()
+                quantize(x, qtype)
+                speed[qtype] = x.size / max(time.perf_counter() - t0, 1e-9)
+            seconds = sum(int(np.prod(d.shape, dtype=np.int64)) for d in ds) / speed[qtype] \
+                + sum(d.source_bytes for d in ds) / COPY_BYTES_PER_S
+        rows.append(EstimateRow(label, len(ds), nbytes, seconds))
+    peak = BASE_RSS + 8 * CHUNK_VALUES * 4
+    return Estimate(rows, sum(r.seconds for r in rows), peak,
+                    f"{sample_rows}x{n_per_row} sample per type; copies at {COPY_BYTES_PER_S / 1e9:g} GB/s")

@@ -1,0 +1,166 @@
+"""kimi-quantize: per-tensor policy quantization of a kimi-k3 / kimi-k31 GGUF (a thin layer over kimi_convert.quant).
+
+  kimi-quantize --policy POLICY IN.gguf OUT.gguf [--imatrix FILE] [--tensor-type RE=TYPE ...]
+                [--tensor-type-file F] [--explain] [--dry-run] [--strict] [--allow-requantize]
+                [--threads N] [--force] [--keep-split | --split-max-size S] [--json REPORT.json]
+
+POLICY is a TOML file or a shipped preset name (docs/policy.md).
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from .cli import (check_report_path, console, fail, human, interrupted, interrupts_raise, note, output, parse_size, progress_bar,
+                  typer_app)
+from .errors import Interrupted, KimiError
+
+app = typer_app(help=__doc__)
+
+
+@app.command()
+def quantize(
+    src: Path = typer.Argument(..., metavar="IN.gguf", help="a kimi-k3 / kimi-k31 GGUF (any part of a split file)"),
+    out: Optional[Path] = typer.Argument(None, metavar="OUT.gguf", help="the quantized file (not needed with "
+                                         "--dry-run or --explain)"),
+    policy: str = typer.Option(..., "--policy", metavar="POLICY", help="policy TOML file or preset name"),
+    imatrix: Optional[Path] = typer.Option(None, "--imatrix", metavar="FILE", help="llama-imatrix file (GGUF or .dat)"),
+    tensor_type: List[str] = typer.Option([], "--tensor-type", metavar="RE=TYPE",
+                                          help="llama-quantize override, tried before the policy's rules"),
+    tensor_type_file: List[Path] = typer.Option([], "--tensor-type-file", metavar="F",
+                                                help="file of RE=TYPE tokens (white-space separated)"),
+    explain: bool = typer.Option(False, "--explain", help="print every tensor's decision and why, then exit"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="print sizes, time and RAM estimates, then exit"),
+    strict: bool = typer.Option(False, "--strict", help="a rule that names a protected tensor is an error"),
+    allow_requantize: bool = typer.Option(False, "--allow-requantize",
+                                          help="let rules re-quantize already quantized tensors (MXFP4 experts)"),
+    threads: int = typer.Option(0, "--threads", metavar="N", help="quantizer threads (default: all cores)"),
+    force: bool = typer.Option(False, "--force", help="overwrite an existing output"),
+    keep_split: bool = typer.Option(False, "--keep-split", help="one output file per input split file"),
+    split_max_size: Optional[str] = typer.Option(None, "--split-max-size", metavar="SIZE",
+                                                 help="max bytes per output file, e.g. 50G"),
+    json_file: Optional[Path] = typer.Option(None, "--json", metavar="REPORT.json", help="also write the plan as JSON"),
+):
+    """Quantize IN.gguf by POLICY into OUT.gguf, in one streaming pass.
+
+    \b
+    Exit status:
+      0      written (with --dry-run / --explain: the plan was printed)
+      1      bad input or any other error (nothing written)
+      3      not enough free disk for the output (+ 64 MiB)
+      128+N  ended by signal N; nothing written
+    """
+    from .gguf_io import check_split_max_size, open_gguf
+    from .quant.driver import imatrix_coverage, plan_file, quantize_file
+    from .quant.policy import load_policy, tensor_type_rules
+    started, result = time.time(), None
+    try:
+        with interrupts_raise():
+            if keep_split and split_max_size:
+                raise KimiError("--keep-split and --split-max-size exclude each other")
+            if not (explain or dry_run) and out is None:
+                raise KimiError("give OUT.gguf (or --dry-run / --explain)")
+            max_size = parse_size(split_max_size) if split_max_size else 0
+            if split_max_size:
+                check_split_max_size(max_size, split_max_size)
+            if json_file is not None:
+                check_report_path(json_file)
+            pol = load_policy(policy).with_tensor_types(tensor_type_rules(tensor_type, tensor_type_file))
+            imat = load_imatrix(imatrix) if imatrix is not None else None
+            gf = open_gguf(src)
+            plan = plan_file(gf, pol, allow_requantize=allow_requantize, strict=strict)
+            print_conflicts(plan.conflicts)
+            for w in plan.warnings:
+                console.print(f"[yellow]warning:[/] {escape(w)}", highlight=False)
+            if imat is not None:
+                for line in imatrix_coverage(plan, imat):
+                    note(line)
+            if explain or dry_run:
+                if explain:
+                    print_explain(plan, pol)
+                if dry_run:
+                    print_dry_run(plan)
+                _write_json(json_file, plan, pol)
+                return
+            with progress_bar(plan.target_bytes) as advance:
+                result = quantize_file(src, out, pol, imatrix=imat, allow_requantize=allow_requantize,
+                                       strict=strict, force=force, split_max_size=max_size, keep_split=keep_split,
+                                       threads=threads, on_bytes=advance, log=note)
+            for line in result.notes:
+                note(line)
+            _write_json(json_file, plan, pol)
+    except KimiError as e:
+        fail(e)
+    except OSError as e:        # one the library did not name: still one line
+        fail(KimiError(f"{e.filename or src}: {e.strerror or e}"))
+    except Interrupted as e:
+        interrupted(e, out or src, started, result)
+    for p in result.paths:
+        output.print(str(p), highlight=False)
+    console.print(f"wrote {len(plan.decisions)} tensors ({sum(not d.copied for d in plan.decisions)} quantized), "
+                  f"{human(plan.target_bytes)} ({plan.target_bytes / max(plan.source_bytes, 1):.1%} of the input) "
+                  f"in {result.seconds:.1f} s", highlight=False)
+
+
+def load_imatrix(path: Path):
+    from .quant.imatrix import load_imatrix as load
+    return load(path)
+
+
+def print_conflicts(conflicts) -> None:
+    """One note per (rule, protection): the tensors it names, the protection and why."""
+    groups: dict = {}
+    for c in conflicts:
+        groups.setdefault((c.rule.describe(), c.protection), []).append(c.tensor)
+    for (rule, guard), names in groups.items():
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        console.print(f"[yellow]note:[/] rule {rule} names {len(names)} protected tensor(s), not applied to them: "
+                      f"{shown}; protected ({guard.kind}): {guard.why}", highlight=False)
+
+
+def print_explain(plan, pol) -> None:
+    """One line per tensor (plain text: greppable, and never wrapped in a pipe)."""
+    output.print(f"# {pol.source}" + (f": {pol.description}" if pol.description else ""), highlight=False)
+    width = max(len(d.name) for d in plan.decisions)
+    for d in plan.decisions:
+        output.print(f"{d.name:<{width}}  {d.source.name:>6} -> {d.target.name:<6} {human(d.target_bytes):>10}  "
+                     f"{d.why}", highlight=False, markup=False)
+
+
+def print_dry_run(plan) -> None:
+    from .quant.driver import estimate
+    e = estimate(plan)
+    t = Table(title="kimi-quantize plan")
+    for col in ("type", "tensors", "bytes", "est. time"):
+        t.add_column(col, justify="left" if col == "type" else "right")
+    for row in e.rows:
+        t.add_row(row.label, str(row.n), human(row.nbytes), f"{row.seconds:.1f} s")
+    t.add_row("[bold]total", f"[bold]{len(plan.decisions)}", f"[bold]{human(plan.target_bytes)}",
+              f"[bold]{e.seconds:.1f} s")
+    output.print(t)
+    output.print(f"input {human(plan.source_bytes)} -> output {human(plan.target_bytes)}; estimated peak RAM "
+                 f"{human(e.peak_ram)}; time from this machine's measured kernel speed ({e.basis})", highlight=False)
+
+
+def _write_json(path: Optional[Path], plan, pol) -> None:
+    if path is None:
+        return
+    rows = [{"tensor": d.name, "shape": list(d.shape), "from": d.source.name, "to": d.target.name,
+             "bytes": d.target_bytes, "why": d.why, "protection": d.protection.kind if d.protection else None}
+            for d in plan.decisions]
+    report = {"policy": pol.source, "input_bytes": plan.source_bytes, "output_bytes": plan.target_bytes,
+              "tensors": rows, "conflicts": [c.describe() for c in plan.conflicts], "warnings": plan.warnings}
+    try:
+        path.write_text(json.dumps(report, indent=2) + "\n")
+    except OSError as e:
+        raise KimiError(f"{path}: cannot write the report ({e.strerror or e})") from None
+
+
+def main() -> None:
+    app(prog_name="kimi-quantize")

@@ -1,0 +1,261 @@
+"""Block quantizers (kimi_convert.quant) byte for byte against ggml's own, in-process.
+
+The reference is ``ggml_quantize_chunk`` from llama-cpp-python's libggml-base.so (the code llama-quantize
+runs), called through kimi_convert.interop.ggml_quants. If that library cannot be loaded every test here
+fails (InteropUnavailable); none is skipped.
+
+Inputs cover what decides ggml's branches: sign and magnitude of the first absolute maximum, all-zero and
+constant groups, outliers, values below GROUP_MAX_EPS and fp16-subnormal scales, fp16 overflow of scales,
+exact rounding ties of nearest_int/roundf and of the IQ4 code table, bf16-exact weights, NaN/inf inputs, and
+importance weights that are positive or partly zero.
+"""
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+from kimi_convert.interop import ggml_quants as ggml
+from kimi_convert.quant import InvalidBlockError, dequantize, quantize, row_size, validate_blocks
+
+BLOCK_TYPES = [QT.Q8_0, QT.Q4_0, QT.Q5_0, QT.IQ4_NL, QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_XS]
+FLOAT_TYPES = [QT.F32, QT.F16, QT.BF16]
+ROW_LENGTHS_32 = (32, 96, 256, 3584, 7168)
+ROW_LENGTHS_256 = (256, 512, 3584, 7168)
+VALUES_PER_CASE = 16384
+
+
+def row_lengths(qtype: QT) -> tuple[int, ...]:
+    return ROW_LENGTHS_256 if qtype in (QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_XS) else ROW_LENGTHS_32
+
+
+def to_bf16_exact(x: np.ndarray) -> np.ndarray:
+    bits = x.astype(np.float32).view(np.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).view(np.float32)
+
+
+def _ties(rng, shape):
+    """Groups whose scale makes x/d land exactly on .5 (nearest_int, roundf) or on IQ4 code midpoints."""
+    n = shape[1]
+    x = np.empty(shape, np.float32)
+    halves = rng.integers(-120, 120, size=shape) + 0.5
+    x[...] = halves / 127.0
+    x[:, ::32] = 1.0                     # Q8_0: d = 1/127 -> x*id lands near k + 0.5
+    iq4 = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
+    mids = (iq4[1:] + iq4[:-1]) / 2
+    if shape[0] > 1:
+        x[1] = rng.choice(np.concatenate([mids, iq4]), size=n)
+        x[1, ::32] = -127.0              # IQ4: d = 1, codes on exact midpoints
+    if shape[0] > 2:
+        x[2] = rng.integers(-16, 16, size=n) + 0.5
+        x[2, ::16] = -16.0               # Q5_0/Q3_K-like exact grids
+    return x
+
+
+def _constant_groups(rng, shape):
+    v = rng.standard_normal((shape[0], shape[1] // 16)).astype(np.float32)
+    v[:, ::3] *= -1
+    v[:, 1::5] = 0
+    return np.repeat(v, 16, axis=1)
+
+
+def _outliers(rng, shape):
+    x = rng.standard_normal(shape).astype(np.float32) * 0.02
+    hit = rng.random(shape) < 1 / 64
+    x[hit] *= rng.choice(np.array([-1e3, 1e3, 50.0], np.float32), size=int(hit.sum()))
+    return x
+
+
+def _tiny(rng, shape):
+    """Per-row magnitudes from fp16-normal scales down to below GROUP_MAX_EPS and float32 subnormals."""
+    mags = np.array([1e-3, 1e-5, 1e-7, 1e-9, 3e-13, 1e-16, 1e-30, 1e-40], np.float32)
+    return (rng.standard_normal(shape) * mags[np.arange(shape[0]) % len(mags), None]).astype(np.float32)
+
+
+def _large(rng, shape):
+    """Magnitudes whose scales overflow fp16 (d -> inf), as llama-quantize would then refuse."""
+    mags = np.array([1e3, 6e4, 1e6, 1e9], np.float32)
+    return (rng.standard_normal(shape) * mags[np.arange(shape[0]) % len(mags), None]).astype(np.float32)
+
+
+def _sparse(rng, shape):
+    x = rng.standard_normal(shape).astype(np.float32)
+    x[rng.random(shape) < 0.7] = 0
+    g = x.reshape(shape[0], -1, 16)
+    g[:, ::4] = 0                                          # all-zero sub-blocks
+    g[:, 1::4] = np.abs(g[:, 1::4]) + 0.01                 # one-signed sub-blocks
+    g[:, 2::4] = -np.abs(g[:, 2::4]) - 0.01
+    return x
+
+
+def _nonfinite(rng, shape):
+    """NaN and +-inf among normal values (llama-quantize would refuse most results; the bytes still agree)."""
+    x = rng.standard_normal(shape).astype(np.float32)
+    hit = rng.random(shape) < 0.01
+    x[hit] = rng.choice(np.array([np.nan, np.inf, -np.inf], np.float32), size=int(hit.sum()))
+    x[0, :40] = np.nan
+    return x
+
+
+DISTRIBUTIONS = {
+    "normal": lambda rng, s: rng.standard_normal(s).astype(np.float32),
+    "student_t2": lambda rng, s: rng.standard_t(2, size=s).astype(np.float32),
+    "cauchy_clipped": lambda rng, s: np.clip(rng.standard_cauchy(s), -1e4, 1e4).astype(np.float32),
+    "uniform": lambda rng, s: rng.uniform(-1, 1, s).astype(np.float32),
+    "zeros": lambda rng, s: np.zeros(s, np.float32),
+    "constant_groups": _constant_groups,
+    "outliers": _outliers,
+    "bf16_weights": lambda rng, s: to_bf16_exact(rng.standard_normal(s) * 0.02),
+    "tiny": _tiny,
+    "large": _large,
+    "sparse_one_signed": _sparse,
+    "ties": _ties,
+    "nonfinite": _nonfinite,
+}
+
+
+def imatrices(rng, n: int) -> dict[str, np.ndarray | None]:
+    positive = rng.lognormal(0.0, 1.0, n).astype(np.float32)
+    with_zeros = positive.copy()
+    with_zeros[rng.random(n) < 0.3] = 0
+    with_zeros[:min(n, 32)] = 0            # a whole block without weight
+    return {"none": None, "positive": positive, "with_zeros": with_zeros}
+
+
+def first_difference(ours: np.ndarray, ref: np.ndarray, qtype: QT) -> str:
+    r, b = (int(v) for v in np.argwhere(ours != ref)[0])
+    size = row_size(qtype, QT_BLOCK[qtype])
+    blk = b // size
+    return (f"row {r} block {blk}: ours {ours[r, blk * size:(blk + 1) * size].tobytes().hex()} "
+            f"ggml {ref[r, blk * size:(blk + 1) * size].tobytes().hex()}")
+
+
+QT_BLOCK = {QT.F32: 1, QT.F16: 1, QT.BF16: 1, QT.Q8_0: 32, QT.Q4_0: 32, QT.Q5_0: 32, QT.IQ4_NL: 32,
+            QT.Q2_K: 256, QT.Q3_K: 256, QT.Q4_K: 256, QT.Q5_K: 256, QT.Q6_K: 256, QT.IQ4_XS: 256}
+
+
+def test_ggml_library_loads():
+    path = ggml.ggml_base_path()
+    assert path.name == "libggml-base.so" and path.parent.name == "lib" and path.parent.parent.name == "llama_cpp"
+    assert ggml.ggml_row_size(QT.Q4_K, 7168) == row_size(QT.Q4_K, 7168) == 7168 // 256 * 144
+
+
+@pytest.mark.parametrize("dist", list(DISTRIBUTIONS))
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
+def test_bytes_equal_ggml(qtype, dist):
+    rng = np.random.default_rng(zlib.crc32(f"{qtype.name}/{dist}".encode()))
+    failures = []
+    for n in row_lengths(qtype):
+        x = DISTRIBUTIONS[dist](rng, (max(2, VALUES_PER_CASE // n), n))
+        for im_name, im in imatrices(rng, n).items():
+            ref = ggml.ggml_quantize(x, qtype, im)
+            ours = quantize(x, qtype, im)
+            assert ours.shape == ref.shape and ours.dtype == np.uint8
+            if not np.array_equal(ours, ref):
+                failures.append(f"n={n} imatrix={im_name}: {first_difference(ours, ref, qtype)}")
+    assert not failures, f"{qtype.name}/{dist}:\n" + "\n".join(failures)
+
+
+@pytest.mark.parametrize("qtype", FLOAT_TYPES, ids=lambda t: t.name)
+def test_float_types_equal_ggml(qtype):
+    """F32 copy, F16 (RNE, overflow to inf, NaN -> sign|0x7E00) and BF16 (RNE, NaN kept and made quiet)."""
+    rng = np.random.default_rng(7)
+    specials = np.array([0x7FC00000, 0xFFC00000, 0x7F800001, 0xFFBFFFFF, 0x7FA00000, 0x7F800000, 0xFF800000,
+                         0x80000000, 0x00000001, 0x00800000, 0x477FF000, 0x477FEFFF, 0x47800000, 0x33000000,
+                         0x33000001, 0x3F808000, 0x3F818000, 0x7F7FFFFF], np.uint32).view(np.float32)
+    for dist in ("normal", "tiny", "large", "bf16_weights", "ties"):
+        x = DISTRIBUTIONS[dist](rng, (8, 256))
+        x.reshape(-1)[: specials.size] = specials
+        ref = ggml.ggml_quantize(x, qtype)
+        ours = quantize(x, qtype, rng.random(256).astype(np.float32))  # imatrix is ignored here, as in ggml
+        assert np.array_equal(ours, ref), f"{qtype.name}/{dist}: {first_difference(ours, ref, qtype)}"
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES + FLOAT_TYPES, ids=lambda t: t.name)
+def test_dequantize_equals_ggml(qtype):
+    rng = np.random.default_rng(3)
+    n = 512 if QT_BLOCK[qtype] == 256 else 96
+    x = np.concatenate([DISTRIBUTIONS[d](rng, (4, n)) for d in ("normal", "outliers", "tiny", "sparse_one_signed")])
+    q = quantize(x, qtype)
+    ours = dequantize(q, qtype)
+    ref = ggml.ggml_dequantize(q, qtype, n)
+    assert ours.shape == ref.shape == x.shape
+    assert np.array_equal(ours.view(np.uint32), ref.view(np.uint32))
+
+
+def test_threads_do_not_change_bytes():
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((37, 768)).astype(np.float32)
+    im = rng.random(768).astype(np.float32)
+    for qtype in (QT.Q4_K, QT.IQ4_XS, QT.Q5_0):
+        assert np.array_equal(quantize(x, qtype, im, threads=1), quantize(x, qtype, im, threads=2))
+
+
+def _break_scale(q: np.ndarray, qtype: QT, block: int, offset: int, bits: int) -> np.ndarray:
+    q = q.copy().reshape(-1)
+    size = row_size(qtype, QT_BLOCK[qtype])
+    q[block * size + offset: block * size + offset + 2] = np.array([bits], np.uint16).view(np.uint8)
+    return q
+
+
+# byte offsets of the fp16 scales in each block (ggml-common.h): d, then dmin where there is one
+SCALE_OFFSETS = {QT.Q8_0: (0,), QT.Q4_0: (0,), QT.Q5_0: (0,), QT.IQ4_NL: (0,), QT.Q2_K: (80, 82), QT.Q3_K: (108,),
+                 QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,), QT.IQ4_XS: (0,)}
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
+def test_validate_blocks_as_ggml(qtype):
+    rng = np.random.default_rng(5)
+    q = quantize(rng.standard_normal((3, 512)).astype(np.float32), qtype)
+    validate_blocks(q, qtype)
+    assert ggml.ggml_validate_row_data(q, qtype)
+    n_blocks = q.size // row_size(qtype, QT_BLOCK[qtype])
+    for offset in SCALE_OFFSETS[qtype]:
+        for bits, what in ((0x7C00, "inf"), (0xFC00, "inf"), (0x7E00, "nan"), (0x7C01, "nan")):
+            block = int(rng.integers(n_blocks))
+            bad = _break_scale(q, qtype, block, offset, bits)
+            assert not ggml.ggml_validate_row_data(bad, qtype)
+            with pytest.raises(InvalidBlockError) as err:
+                validate_blocks(bad, qtype)
+            assert (err.value.block, err.value.what) == (block, what)
+
+
+def test_validate_blocks_floats_as_ggml():
+    x = np.ones(64, np.float32)
+    for qtype, bad_values, what in ((QT.F32, (np.inf, -np.inf), "inf"), (QT.F32, (np.nan,), "nan"),
+                                    (QT.F16, (np.inf,), "inf"), (QT.F16, (np.nan,), "nan"),
+                                    (QT.BF16, (-np.inf,), "inf"), (QT.BF16, (np.nan,), "nan")):
+        for v in bad_values:
+            y = x.copy()
+            y[17] = v
+            q = quantize(y[None], qtype)
+            assert not ggml.ggml_validate_row_data(q, qtype)
+            with pytest.raises(InvalidBlockError) as err:
+                validate_blocks(q, qtype)
+            assert (err.value.block, err.value.what) == (17, what)
+        validate_blocks(quantize(x[None], qtype), qtype)
+
+
+def test_overflowing_scale_is_invalid_in_both():
+    """A block whose scale overflows fp16 is written as inf by ggml too, and then refused by validation."""
+    x = np.full((1, 256), 1e9, np.float32)
+    for qtype in BLOCK_TYPES:
+        q = quantize(x, qtype)
+        assert np.array_equal(q, ggml.ggml_quantize(x, qtype)), qtype.name
+        assert not ggml.ggml_validate_row_data(q, qtype), qtype.name
+        with pytest.raises(InvalidBlockError):
+            validate_blocks(q, qtype)
+
+
+def test_bad_arguments():
+    x = np.zeros((2, 96), np.float32)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        quantize(x, QT.Q4_K)
+    with pytest.raises(ValueError, match="imatrix has shape"):
+        quantize(x, QT.Q4_0, np.ones(95, np.float32))
+    with pytest.raises(ValueError, match="no quantizer for ggml type Q4_1"):
+        quantize(x, QT.Q4_1)
+    with pytest.raises(ValueError, match="2-D"):
+        quantize(np.zeros(96, np.float32), QT.Q8_0)

@@ -1,0 +1,155 @@
+"""Policy files, --tensor-type tokens and the per-tensor decision (kimi_convert.quant.policy / .plan)."""
+from __future__ import annotations
+
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+from kimi_convert.quant.plan import QuantizeError, decide, plan_quantization
+from kimi_convert.quant.policy import (PolicyError, load_policy, parse_policy, preset_names, tensor_type_rules)
+
+
+def policy(text: str):
+    return parse_policy(text, "p.toml")
+
+
+# ------------------------------------------------------------------ the file and its errors
+
+def test_policy_file_shape(tmp_path):
+    f = tmp_path / "mine.toml"
+    f.write_text('default = "q4_k"\n\n[[rules]]\npattern = "attn_(q_a|q_b)"\ntype = "Q8_0"\n'
+                 '[[rules]]\npattern = "token_embd"\ntype = "keep"\nwhy = "embeddings stay"\n')
+    p = load_policy(f)
+    assert p.default == QT.Q4_K and p.default_origin == f"{f}:1"
+    assert [(r.pattern.pattern, r.target, r.origin) for r in p.rules] == [
+        ("attn_(q_a|q_b)", QT.Q8_0, f"{f}:4"), ("token_embd", None, f"{f}:7")]
+    assert p.rules[1].why == "embeddings stay"
+
+
+@pytest.mark.parametrize("text,message", [
+    ('default = Q4_K\n', r"p.toml: TOML syntax error: .*line 1"),
+    ('default = "Q4_K"\n[[rules]]\npattern = "x"\ntype = "Q9_K"\n', r"p.toml:4: unknown type 'Q9_K'"),
+    ('default = "Q4_K"\n[[rules]]\npattern = "x("\ntype = "Q8_0"\n', r"p.toml:3: bad regex 'x\('"),
+    ('default = "Q4_K"\n[[rules]]\npattern = "x"\ntpye = "Q8_0"\n', r"p.toml:4: unknown key 'tpye' in a rule"),
+    ('default = "Q4_K"\nrule = 1\n', r"p.toml:2: unknown key 'rule'"),
+    ('[[rules]]\npattern = "x"\ntype = "Q8_0"\n', r"p.toml: no `default"),
+    ('default = "Q4_K"\n[[rules]]\ntype = "Q8_0"\n', r"p.toml:2: rule 1 has no 'pattern'"),
+    ('default = 8\n', r"p.toml:1: type must be a string"),
+])
+def test_policy_errors_name_file_and_line(text, message):
+    with pytest.raises(PolicyError, match=message):
+        policy(text)
+
+
+def test_presets_ship_and_unknown_names_are_errors(tmp_path):
+    assert "q8_0" in preset_names()
+    assert load_policy("q8_0").default == QT.Q8_0
+    with pytest.raises(PolicyError, match=r"q9: no such policy file or preset; presets: .*q8_0"):
+        load_policy("q9")
+    with pytest.raises(PolicyError, match="policy file not found"):
+        load_policy(tmp_path / "missing.toml")
+
+
+def test_tensor_type_tokens_read_as_llama_quantize_reads_them(tmp_path):
+    f = tmp_path / "types.txt"
+    f.write_text("ffn_down=Q6_K  attn_k_b=q8_0\nOUTPUT=bf16\n")
+    rules = tensor_type_rules([r"blk\.1\.FFN=q5_k"], [f])
+    # the regex is lower-cased (tools/quantize/quantize.cpp), the type is any case
+    assert [(r.pattern.pattern, r.target) for r in rules] == [
+        (r"blk\.1\.ffn", QT.Q5_K), ("ffn_down", QT.Q6_K), ("attn_k_b", QT.Q8_0), ("output", QT.BF16)]
+    assert [r.origin for r in rules[1:]] == [f"{f}:1", f"{f}:1", f"{f}:2"]
+    # split at the first '=', as upstream: the type is then 'b=Q4_0'
+    with pytest.raises(PolicyError, match="unknown type 'b=Q4_0'"):
+        tensor_type_rules(["a=b=Q4_0"], [])
+    with pytest.raises(PolicyError, match="is not REGEX=TYPE"):
+        tensor_type_rules(["Q4_K"], [])
+
+
+# ------------------------------------------------------------------ decisions
+
+K31_TENSORS = [
+    ("token_embd.weight", (1024, 256), QT.BF16),
+    ("blk.0.attn_norm.weight", (256,), QT.F32),
+    ("blk.0.ssm_conv1d_q.weight", (1, 512, 1, 4), QT.F32),
+    ("blk.0.ssm_a", (4,), QT.F32),
+    ("blk.1.ffn_gate_inp.weight", (16, 256), QT.F32),
+    ("blk.1.exp_probs_b.bias", (16,), QT.F32),
+    ("blk.3.attn_q_a.weight", (512, 256), QT.BF16),
+    ("blk.3.attn_k_b.weight", (4, 64, 128), QT.BF16),
+    ("blk.3.indexer.attn_q_b.weight", (512, 512), QT.BF16),
+    ("blk.3.indexer.attn_k.weight", (128, 256), QT.BF16),
+    ("blk.3.indexer.proj.weight", (4, 256), QT.F32),
+    ("blk.3.indexer.k_norm.weight", (128,), QT.F32),
+    ("blk.1.ffn_up_exps.weight", (16, 96, 288), QT.MXFP4),
+    ("blk.1.ffn_down_shexp.weight", (256, 192), QT.BF16),
+]
+
+
+def by_name(plan):
+    return {d.name: d for d in plan.decisions}
+
+
+def test_default_alone_is_llama_quantize_pure_with_its_protections_and_fallback():
+    d = by_name(plan_quantization(K31_TENSORS, policy('default = "Q4_K"\n')))
+    kept = {n for n, x in d.items() if x.copied}
+    assert kept == {"blk.0.attn_norm.weight", "blk.0.ssm_conv1d_q.weight", "blk.0.ssm_a", "blk.1.ffn_gate_inp.weight",
+                    "blk.1.exp_probs_b.bias", "blk.3.indexer.attn_q_b.weight", "blk.3.indexer.attn_k.weight",
+                    "blk.3.indexer.proj.weight", "blk.3.indexer.k_norm.weight", "blk.1.ffn_up_exps.weight"}
+    assert d["token_embd.weight"].target == QT.Q4_K and d["blk.3.attn_q_a.weight"].target == QT.Q4_K
+    # rows of 128 and 192 are not multiples of 256: Q4_K falls back to Q5_0, as llama-quantize does
+    assert d["blk.3.attn_k_b.weight"].target == QT.Q5_0 and "falls back" in d["blk.3.attn_k_b.weight"].why
+    assert d["blk.1.ffn_down_shexp.weight"].target == QT.Q5_0
+    assert d["blk.3.indexer.attn_k.weight"].protection.kind == "indexer"
+    assert d["blk.1.ffn_up_exps.weight"].protection.kind == "mxfp4"
+
+
+@pytest.mark.parametrize("target,row,want", [
+    ("Q6_K", 128, QT.Q8_0), ("Q5_K", 96, QT.Q5_1), ("Q2_K", 64, QT.Q4_0), ("Q3_K", 32, QT.Q4_0),
+    ("IQ4_XS", 160, QT.IQ4_NL), ("Q4_K", 48, QT.F16), ("Q8_0", 48, QT.F16), ("Q8_0", 96, QT.Q8_0),
+])
+def test_shape_fallback_ladder(target, row, want):
+    d, _ = decide("blk.0.attn_q.weight", (8, row), QT.BF16, policy(f'default = "{target}"\n'), False)
+    assert d.target == want
+
+
+def test_rules_first_match_tensor_types_first_and_keep():
+    p = policy('default = "Q4_K"\n[[rules]]\npattern = "attn_q_a"\ntype = "Q8_0"\n'
+               '[[rules]]\npattern = "attn_"\ntype = "Q6_K"\n[[rules]]\npattern = "token_embd"\ntype = "keep"\n')
+    d = by_name(plan_quantization(K31_TENSORS, p))
+    assert d["blk.3.attn_q_a.weight"].target == QT.Q8_0 and "p.toml:3" in d["blk.3.attn_q_a.weight"].why
+    assert d["token_embd.weight"].target == QT.BF16
+    first = p.with_tensor_types(tensor_type_rules(["attn_q_a=bf16"], []))
+    assert by_name(plan_quantization(K31_TENSORS, first))["blk.3.attn_q_a.weight"].target == QT.BF16
+
+
+def test_rules_naming_protected_tensors_are_reported_and_strict_refuses():
+    p = policy('default = "Q8_0"\n[[rules]]\npattern = "indexer|_exps|_norm"\ntype = "Q4_K"\n'
+               '[[rules]]\npattern = "ssm_conv1d"\ntype = "keep"\n')
+    plan = plan_quantization(K31_TENSORS, p)
+    named = {c.tensor: c.protection.kind for c in plan.conflicts}
+    assert named == {"blk.3.indexer.attn_q_b.weight": "indexer", "blk.3.indexer.attn_k.weight": "indexer",
+                     "blk.3.indexer.proj.weight": "indexer", "blk.3.indexer.k_norm.weight": "llama.cpp",
+                     "blk.1.ffn_up_exps.weight": "mxfp4", "blk.0.attn_norm.weight": "llama.cpp"}
+    assert all(d.copied for d in plan.decisions if d.name in named)
+    assert "p.toml:3" in plan.conflicts[0].describe()
+    with pytest.raises(QuantizeError, match=r"--strict: blk\.0\.attn_norm\.weight: rule p\.toml:3 .*protected"):
+        plan_quantization(K31_TENSORS, p, strict=True)
+
+
+def test_mxfp4_experts_requantized_only_with_allow_requantize():
+    p = policy('default = "Q8_0"\n[[rules]]\npattern = "_exps"\ntype = "Q2_K"\n')
+    assert by_name(plan_quantization(K31_TENSORS, p))["blk.1.ffn_up_exps.weight"].copied
+    plan = plan_quantization(K31_TENSORS, p, allow_requantize=True)
+    exps = by_name(plan)["blk.1.ffn_up_exps.weight"]
+    # 288 is not a multiple of 256: Q2_K falls back to Q4_0
+    assert exps.target == QT.Q4_0 and exps.requantized and "twice" in plan.warnings[0]
+    # the indexer stays protected whatever the flags
+    assert by_name(plan)["blk.3.indexer.attn_k.weight"].copied
+
+
+def test_quantized_sources_and_mxfp4_targets():
+    with pytest.raises(QuantizeError, match=r"blk\.0\.attn_q\.weight: is already Q8_0; .*--allow-requantize"):
+        decide("blk.0.attn_q.weight", (8, 256), QT.Q8_0, policy('default = "Q4_K"\n'), False)
+    d, _ = decide("blk.0.attn_q.weight", (8, 256), QT.Q8_0, policy('default = "Q8_0"\n'), False)
+    assert d.copied
+    with pytest.raises(QuantizeError, match="MXFP4 is only kept, never made"):
+        decide("blk.0.attn_q.weight", (8, 256), QT.BF16, policy('default = "MXFP4"\n'), False)

@@ -1,0 +1,121 @@
+"""kimi-quantize against llama-quantize's own code (llama_model_quantize of llama-cpp-python 0.3.36, in-process):
+`default = "T"` must equal `llama-quantize --pure T`, tensor for tensor (type, shape, bytes) and key for key
+(value and value type), for every type, with and without an imatrix, and on MXFP4 input with `exps=mxfp4`.
+Fails, never skips, when llama-cpp-python is missing."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+from gguf import GGUFReader
+
+from kimi_convert.convert import build_plan, convert
+from kimi_convert.fixtures.imatrix import k3_entries, write_gguf_imatrix
+from kimi_convert.fixtures.make_checkpoint import make_checkpoint
+from kimi_convert.gguf_io import open_gguf
+from kimi_convert.interop import llama_quantize
+from kimi_convert.quant.driver import FILE_TYPE, quantize_file
+from kimi_convert.quant.imatrix import load_imatrix
+from kimi_convert.quant.plan import QuantizeError
+from kimi_convert.quant.policy import parse_policy
+
+TYPES = ["Q8_0", "Q4_0", "Q5_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "F16", "BF16", "F32"]
+IMATRIX_TYPES = ["Q4_0", "Q5_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
+IMATRIX_KEYS = {"quantize.imatrix.file", "quantize.imatrix.dataset", "quantize.imatrix.entries_count",
+                "quantize.imatrix.chunks_count"}      # written by the llama-quantize tool, not by the library call
+
+
+def policy(text: str):
+    return parse_policy(text, "test.toml")
+
+
+def fields(path) -> dict:
+    return {k: ([t.name for t in f.types], f.contents()) for k, f in GGUFReader(path).fields.items()
+            if not k.startswith("GGUF.")}
+
+
+def assert_same_file(ours, theirs, *, key_differences=frozenset()):
+    a, b = fields(ours), fields(theirs)
+    differing = {k for k in set(a) | set(b) if a.get(k) != b.get(k)}
+    assert differing == set(key_differences), {k: (a.get(k), b.get(k)) for k in differing}
+    ta, tb = ({t.name: t for t in GGUFReader(p).tensors} for p in (ours, theirs))
+    assert set(ta) == set(tb)
+    for name, t in ta.items():
+        u = tb[name]
+        assert (QT(t.tensor_type), t.shape.tolist()) == (QT(u.tensor_type), u.shape.tolist()), name
+        x, y = t.data.reshape(-1).view(np.uint8), u.data.reshape(-1).view(np.uint8)
+        assert np.array_equal(x, y), f"{name} ({QT(t.tensor_type).name}): {(x != y).sum()} bytes differ"
+
+
+@pytest.fixture(scope="module")
+def k3_bf16(tmp_path_factory):
+    """K3 with BF16 experts and rows that are multiples of 256 (KDA head rows of 16 still exercise the fallback)."""
+    d = tmp_path_factory.mktemp("quantize")
+    hf = make_checkpoint(d / "Kimi-K3-tiny", arch="k3", n_layers=4, experts_mxfp4=False, hidden=256,
+                         moe_intermediate_size=256, routed_expert_hidden_size=256, intermediate_size=512, seed=3)
+    out = d / "k3-bf16.gguf"
+    convert(build_plan(hf, "bf16"), out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def k3_imatrix(k3_bf16):
+    shapes = {n: t.shape for n, t in open_gguf(k3_bf16).tensors.items()}
+    return write_gguf_imatrix(k3_bf16.with_name("k3.imatrix.gguf"), k3_entries(shapes, seed=5), chunk_count=12)
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_default_type_equals_llama_quantize_pure(k3_bf16, tmp_path, name):
+    ours = quantize_file(k3_bf16, tmp_path / "ours.gguf", policy(f'default = "{name}"\n')).paths[0]
+    theirs = llama_quantize(k3_bf16, tmp_path / "theirs.gguf", int(FILE_TYPE[QT[name]]), pure=True)
+    assert_same_file(ours, theirs)
+
+
+@pytest.mark.parametrize("name", IMATRIX_TYPES)
+def test_with_imatrix_equals_llama_quantize(k3_bf16, k3_imatrix, tmp_path, name):
+    imatrix = load_imatrix(k3_imatrix)
+    ours = quantize_file(k3_bf16, tmp_path / "ours.gguf", policy(f'default = "{name}"\n'), imatrix=imatrix).paths[0]
+    gf = open_gguf(k3_bf16)
+    vectors = {n: v for n in imatrix.names if (v := imatrix.vector(n, gf.tensors[n].shape)) is not None}
+    theirs = llama_quantize(k3_bf16, tmp_path / "theirs.gguf", int(FILE_TYPE[QT[name]]), imatrix=vectors)
+    assert_same_file(ours, theirs, key_differences=IMATRIX_KEYS)
+    written = fields(ours)
+    assert written["quantize.imatrix.file"] == (["STRING"], str(k3_imatrix))
+    assert written["quantize.imatrix.entries_count"] == (["UINT32"], len(imatrix.names))
+    assert written["quantize.imatrix.chunks_count"] == (["UINT32"], 12)
+    # the imatrix changed the bytes: without it the file differs
+    plain = quantize_file(k3_bf16, tmp_path / "plain.gguf", policy(f'default = "{name}"\n')).paths[0]
+    assert open_gguf(plain).tensors["blk.1.ffn_up_exps.weight"].raw.tobytes() != \
+        open_gguf(ours).tensors["blk.1.ffn_up_exps.weight"].raw.tobytes()
+
+
+def test_mxfp4_experts_copied_as_llama_quantize_exps_mxfp4(tmp_path):
+    hf = make_checkpoint(tmp_path / "Kimi-K3-mx", arch="k3", n_layers=4, hidden=256, moe_intermediate_size=256,
+                         routed_expert_hidden_size=256, intermediate_size=512, seed=4)
+    src = tmp_path / "k3-mx.gguf"
+    convert(build_plan(hf, "bf16"), src)
+    ours = quantize_file(src, tmp_path / "ours.gguf", policy('default = "Q4_K"\n')).paths[0]
+    theirs = llama_quantize(src, tmp_path / "theirs.gguf", int(FILE_TYPE[QT.Q4_K]),
+                            tensor_types=[("exps", int(QT.MXFP4))])
+    assert_same_file(ours, theirs)
+    exps = open_gguf(ours).tensors["blk.1.ffn_gate_exps.weight"]
+    assert exps.qtype == QT.MXFP4 and exps.raw.tobytes() == open_gguf(src).tensors[exps.name].raw.tobytes()
+
+
+def test_k31_indexer_protected_under_a_policy_aimed_at_it(tmp_path):
+    hf = make_checkpoint(tmp_path / "Kimi-K3.1-tiny", arch="k31", n_layers=4, hidden=256, q_lora_rank=256,
+                         seed=6)
+    src = tmp_path / "k31.gguf"
+    convert(build_plan(hf, "bf16"), src)
+    aimed = policy('default = "Q4_K"\n[[rules]]\npattern = "indexer"\ntype = "Q8_0"\n')
+    with pytest.raises(QuantizeError, match=r"--strict: blk\.\d+\.indexer\..* protected \(indexer\)"):
+        quantize_file(src, tmp_path / "strict.gguf", aimed, strict=True)
+    assert not (tmp_path / "strict.gguf").exists()
+    result = quantize_file(src, tmp_path / "q.gguf", aimed, allow_requantize=True)
+    before, after = open_gguf(src).tensors, open_gguf(result.paths[0]).tensors
+    indexer = [n for n in before if ".indexer." in n]
+    assert len(indexer) == 5 * len([n for n in before if n.endswith("indexer.proj.weight")]) > 0
+    for n in indexer:
+        assert after[n].qtype == before[n].qtype and after[n].raw.tobytes() == before[n].raw.tobytes(), n
+    assert {c.tensor for c in result.plan.conflicts} >= {n for n in indexer if n.endswith("attn_k.weight")}
+    assert after["blk.0.attn_q.weight"].qtype == QT.Q4_K

@@ -1,0 +1,322 @@
+"""The real model's exact size without its data: kimi_convert.fixtures.real_size, the converter's dry run on
+it, and the converter's RAM estimate against measured peaks.
+
+The expected figures are written out here from shared/reference/k3-hf-format.md (sections 1-5) and
+k31-indexer.md, not taken from the generator, so each test compares two independent sources.
+Run time on 2 cores: about 1-2 minutes for the module, most of it the dry run (about 15 s) and
+the scaled conversion (about 20 s); disk use a few hundred MB (the shards are holes).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+import safetensors
+
+from kimi_convert.checkpoint import Checkpoint
+from kimi_convert.errors import DiskSpaceError
+from kimi_convert.convert import (BASE_RSS, INDEX_BYTES_PER_TENSOR, VOCAB_BYTES_PER_TOKEN, WRITE_BUFFERS,
+                                  _produce, build_plan)
+from kimi_convert.fixtures.make_checkpoint import FixtureSpec, make_checkpoint, tensor_plan
+from kimi_convert.fixtures.real_size import (make_sparse_checkpoint, real_spec, safetensors_header,
+                                             write_sparse_gguf)
+from kimi_convert.model import KimiConfig
+
+MiB = 1 << 20
+
+# --- the reference's figures (k3-hf-format.md) ---------------------------------------------
+H, V, E, L, I, F = 7168, 163840, 896, 3584, 3072, 33792
+N_LAYER, N_MLA, N_KDA, N_MOE = 93, 24, 69, 92
+REF_TENSORS = 497_220                        # section 1 [IDX]
+REF_TENSOR_BYTES = 1_560_860_324_864         # section 1 [IDX] total_tensor_bytes
+REF_INDEX_SIZE = 59_764_096                  # section 1 [IDX] index.json size
+REF_SHARD2_SIZE = 16_990_911_504             # section 1 [IDX] model-00002 (layer 1, experts included)
+REF_EXPERT_TENSORS = N_MOE * E * 6           # section 3 count check: 494,592
+REF_VISION_TENSORS = 168                     # section 4
+# one routed expert: w1 and w3 [I, L/2] + [I, L/32], w2 [L, I/2] + [L, I/32], all U8 (section 3)
+EXPERT_BYTES = 2 * (I * L // 2 + I * L // 32) + (L * I // 2 + L * I // 32)
+# section 4: vision tower and projector, all BF16
+VISION_BYTES = 2 * (1024 * 3 * 14 * 14 + 64 * 64 * 1024 + 1024 + 7168 + 4096 * 4096 + 7168 * 4096
+                    + 27 * (4608 * 1024 + 1024 * 1536 + 2 * 1024 + 2 * 4096 * 1024))
+# section 5: what the conversion changes in size. BF16 1-D norms (attn/ffn norm per layer, output
+# norm, MLA q_a/kv_a norms, routed-expert norm) and the routers become F32; A_log [128] -> ssm_a [96];
+# everything else keeps its bytes (MXFP4 is 17 bytes per 32 values on both sides)
+K3_GGUF_BYTES = (REF_TENSOR_BYTES - VISION_BYTES
+                 + 2 * (H * (2 * N_LAYER + 1) + N_MLA * (1536 + 512) + N_MOE * L)
+                 + 2 * N_MOE * E * H
+                 - N_KDA * (128 - 96) * 4)
+# per layer: 4 norms/res scores; KDA 14, MLA 9 (kv_b split in two), dense FFN 3, MoE 8 + 3 stacked experts
+K3_GGUF_TENSORS = 4 + 4 * N_LAYER + 14 * N_KDA + 9 * N_MLA + 3 + 11 * N_MOE          # 2,573
+# K3.1 (k31-indexer.md): 5 indexer tensors on each MLA layer; weights_proj and k_norm become F32
+INDEXER_BYTES = 2 * (4096 * 1536 + 128 * H + 32 * H + 128 + 128)
+K31_GGUF_BYTES = K3_GGUF_BYTES + N_MLA * (INDEXER_BYTES + 2 * 32 * H + 2 * 2 * 128)
+
+
+@pytest.fixture(scope="module")
+def real_k3(tmp_path_factory):
+    return make_sparse_checkpoint(tmp_path_factory.mktemp("real") / "Kimi-K3", arch="k3")
+
+
+@pytest.fixture(scope="module")
+def real_k31(tmp_path_factory):
+    return make_sparse_checkpoint(tmp_path_factory.mktemp("real31") / "Kimi-K3.1-Pro", arch="k31")
+
+
+# Linux carries a process's peak RSS across exec, and a child forked from this test process (which
+# has just generated a 497k-tensor checkpoint) would start with this process's peak. So a small
+# python forks the command afresh and writes the command's own ru_maxrss (os.wait4) to a file.
+_MEASURE = """
+import os, sys
+pid = os.fork()
+if pid == 0:
+    os.execvp(sys.argv[2], sys.argv[2:])
+_, status, usage = os.wait4(pid, 0)
+open(sys.argv[1], "w").write(str(usage.ru_maxrss * 1024))
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def run_measured(cmd: list[str], report: Path) -> tuple[int, str, int]:
+    """(exit status, stdout + stderr, the command's own peak RSS in bytes)."""
+    with open(os.devnull, "rb") as stdin:
+        p = subprocess.run([sys.executable, "-c", _MEASURE, str(report), *map(str, cmd)], stdin=stdin,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return p.returncode, p.stdout.decode(), int(report.read_text())
+
+
+def kimi_convert(*args) -> list[str]:
+    return [sys.executable, "-m", "kimi_convert", *map(str, args)]
+
+
+# --- the generator --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("metadata", [None, {"format": "pt"}])
+def test_header_is_what_safetensors_writes(tmp_path, metadata):
+    """Byte for byte the library's own serializer: the order of the data (dtype size, then name),
+    the compact JSON, the padding, the offsets."""
+    defs = [t for t in tensor_plan(FixtureSpec(n_layers=4, n_shards=4)) if t.shard == 1]
+    assert {t.dtype for t in defs} == {"BF16", "F32", "U8"}
+    blobs = {t.name: np.zeros(math.prod(t.shape), dtype={"BF16": np.uint16, "F32": np.float32,
+                                                        "U8": np.uint8}[t.dtype]) for t in defs}
+    specs = {t.name: safetensors.TensorSpec(dtype={"BF16": "bfloat16", "F32": "float32", "U8": "uint8"}[t.dtype],
+                                            shape=list(t.shape), data_ptr=blobs[t.name].ctypes.data,
+                                            data_len=blobs[t.name].nbytes) for t in defs}
+    path = tmp_path / "lib.safetensors"
+    safetensors.serialize_file(specs, str(path), metadata=metadata)
+    ours, data = safetensors_header(defs, metadata)
+    lib = path.read_bytes()
+    assert lib[:len(ours)] == ours
+    assert len(lib) == len(ours) + data
+
+
+def test_k3_is_the_release_inventory(real_k3):
+    info, d = real_k3, real_k3.path
+    assert info.n_tensors == REF_TENSORS
+    assert info.total_bytes == REF_TENSOR_BYTES
+    assert sorted(info.shard_sizes) == [f"model-{k:05d}-of-000096.safetensors" for k in range(1, 97)]
+    assert info.shard_sizes["model-00002-of-000096.safetensors"] == REF_SHARD2_SIZE
+    assert (d / "model.safetensors.index.json").stat().st_size == REF_INDEX_SIZE
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == REF_TENSOR_BYTES
+    names = index["weight_map"]
+    experts = [n for n in names if ".experts." in n]
+    vision = [n for n in names if n.startswith(("vision_tower.", "mm_projector."))]
+    assert (len(names), len(experts), len(vision)) == (REF_TENSORS, REF_EXPERT_TENSORS, REF_VISION_TENSORS)
+    assert len(names) - len(experts) - len(vision) == 2460            # section 3 count check
+    # the shards' own headers give the same figures: experts and vision bytes by class
+    ckpt = Checkpoint(d)
+    by_class = {"experts": 0, "vision": 0}
+    for name, t in ckpt.tensors.items():
+        if ".experts." in name:
+            by_class["experts"] += t.nbytes
+        elif name.startswith(("vision_tower.", "mm_projector.")):
+            by_class["vision"] += t.nbytes
+    assert by_class == {"experts": N_MOE * E * EXPERT_BYTES, "vision": VISION_BYTES}
+    assert ckpt.tensors["language_model.model.layers.0.self_attn.A_log"].shape == (128,)
+    assert ckpt.tensors["language_model.model.layers.3.self_attn.kv_b_proj.weight"].shape == (24576, 512)
+
+
+def test_shards_are_holes_that_read_as_zeros(real_k3):
+    d = real_k3.path
+    with open(d / "model-00002-of-000096.safetensors", "rb") as f:
+        f.seek(REF_SHARD2_SIZE // 2)
+        assert f.read(1 << 16) == bytes(1 << 16)
+    headers = 0
+    for name in real_k3.shard_sizes:
+        with open(d / name, "rb") as f:
+            headers += 8 + struct.unpack("<Q", f.read(8))[0]
+    # allocated blocks: the headers (~75 MB), plus at most 1 MiB a shard for block rounding and
+    # extent metadata; the 1.56 TB of data take none
+    assert real_k3.disk_usage() <= headers + 96 * MiB
+
+
+def test_k3_config_is_the_release_config(real_k3):
+    cfg = KimiConfig.from_hf_dir(real_k3.path)
+    assert (cfg.n_layer, cfg.n_embd, cfg.n_vocab, cfg.n_head, cfg.n_ff) == (N_LAYER, H, V, 96, F)
+    assert (cfg.n_expert, cfg.n_expert_used, cfg.n_expert_shared, cfg.n_ff_exp, cfg.n_latent) == (E, 16, 2, I, L)
+    assert (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.attn_res_block_size) == (1536, 512, 12)
+    assert cfg.full_attn_layers == tuple(range(3, 92, 4)) + (92,)        # 0-based MLA layers
+    raw = json.loads((real_k3.path / "config.json").read_text())
+    assert (raw["bos_token_id"], raw["eos_token_id"], raw["pad_token_id"]) == (163584, 163586, 163839)
+    assert raw["media_placeholder_token_id"] == 163605
+    vc = raw["vision_config"]
+    assert (vc["vt_hidden_size"], vc["vt_num_hidden_layers"], vc["init_pos_emb_height"]) == (1024, 27, 64)
+    tok = json.loads((real_k3.path / "tokenizer_config.json").read_text())["added_tokens_decoder"]
+    assert tok["163605"]["content"] == "<|kimi_image_placeholder|>"
+    lines = (real_k3.path / "tiktoken.model").read_text().splitlines()
+    assert len(lines) == 163_584 and lines[-1].endswith(" 163583")
+
+
+def test_k31_adds_the_indexer_on_the_mla_layers(real_k31):
+    assert real_k31.n_tensors == REF_TENSORS + 5 * N_MLA
+    assert real_k31.total_bytes == REF_TENSOR_BYTES + N_MLA * INDEXER_BYTES
+    plan = build_plan(real_k31.path)
+    assert (len(plan.tensors), plan.total_bytes) == (K3_GGUF_TENSORS + 5 * N_MLA, K31_GGUF_BYTES)
+    assert plan.config.arch == "kimi-k31"
+    ckpt = plan.checkpoint
+    owners = sorted({int(m[1]) for n in ckpt.tensors if (m := re.search(r"layers\.(\d+)\.self_attn\.indexer\.", n))})
+    assert owners == list(range(3, 92, 4)) + [92]
+    x = "language_model.model.layers.3.self_attn.indexer."
+    assert [ckpt.tensors[x + s].shape for s in ("wq_b.weight", "wk.weight", "weights_proj.weight",
+                                                "k_norm.weight", "k_norm.bias")] == \
+        [(4096, 1536), (128, H), (32, H), (128,), (128,)]
+    idx = plan.config.indexer
+    assert (idx.n_head, idx.head_dim, idx.top_k) == (32, 128, 2048)
+
+
+# --- the converter's dry run at real size (CI) ------------------------------------------------
+
+def test_dry_run_on_the_real_k3(real_k3, tmp_path):
+    """`kimi-convert --dry-run` as a user runs it: the plan's figures against the reference's."""
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    rc, out, peak = run_measured(kimi_convert(real_k3.path, out_dir / "out.gguf", "--dry-run"), tmp_path / "rss")
+    assert not list(out_dir.iterdir())                      # a dry run writes nothing
+    room = shutil.disk_usage(out_dir).free >= K3_GGUF_BYTES + (64 << 20)
+    assert rc == (0 if room else DiskSpaceError.exit_code), out
+    assert re.search(rf"total\s*\S*\s+{K3_GGUF_TENSORS}\s", out), out
+    assert f"tensor data {K3_GGUF_BYTES:,} bytes" in out, out
+    assert "dropped (vision/projector): 168 tensors, 853.3 MiB" in out, out
+    # RAM: the dry run needs what planning needs (index, plan, vocabulary); the run it plans
+    # is estimated under 1 GiB
+    planning = BASE_RSS + INDEX_BYTES_PER_TENSOR * REF_TENSORS + VOCAB_BYTES_PER_TOKEN * V
+    assert 0.90 * planning <= peak <= 1.05 * planning, (peak / MiB, planning / MiB)
+    estimate = float(re.search(r"estimated peak RAM (\d+\.\d) MiB", out)[1]) * MiB
+    assert planning + WRITE_BUFFERS < estimate < 1 << 30
+
+
+# --- the data-less GGUF ------------------------------------------------------------------------
+
+def test_sparse_gguf_is_the_converters_file_without_data(tmp_path):
+    from kimi_convert.convert import convert
+    hf = make_checkpoint(tmp_path / "Kimi-K3-tiny", arch="k3")
+    real = tmp_path / "real" / "k3.gguf"
+    real.parent.mkdir()
+    convert(build_plan(hf), real)
+    sparse = write_sparse_gguf(hf, tmp_path / "k3.gguf")
+    a, b = real.read_bytes(), sparse.path.read_bytes()
+    assert len(a) == len(b) == sparse.size
+    assert a[:sparse.data_offset] == b[:sparse.data_offset]        # header, every key, every tensor info
+    assert b[sparse.data_offset:] == bytes(len(b) - sparse.data_offset)
+    assert a[sparse.data_offset:] != bytes(len(a) - sparse.data_offset)
+
+
+def test_sparse_gguf_of_the_real_k3(real_k3, tmp_path):
+    g = write_sparse_gguf(real_k3.path, tmp_path / "Kimi-K3-BF16.gguf")
+    with open(g.path, "rb") as f:
+        magic, version, n_tensors, n_kv = struct.unpack("<4sIQQ", f.read(24))
+    assert (magic, version, n_tensors) == (b"GGUF", 3, K3_GGUF_TENSORS)
+    # the data section: every tensor padded to the 32-byte alignment
+    assert K3_GGUF_BYTES <= g.size - g.data_offset < K3_GGUF_BYTES + 32 * K3_GGUF_TENSORS
+    assert g.path.stat().st_size == g.size
+    assert g.path.stat().st_blocks * 512 <= g.data_offset + MiB       # the header only is on disk
+
+
+# --- the RAM estimate against measured peaks ---------------------------------------------------
+
+def _direct_io(folder: Path) -> bool:
+    """Whether the writer's O_DIRECT staging buffers will be used there (tmpfs refuses O_DIRECT)."""
+    try:
+        fd = os.open(folder / ".direct-probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(folder / ".direct-probe")
+    return True
+
+
+def test_estimate_matches_a_measured_conversion(tmp_path):
+    """A real run of kimi-convert in a subprocess, on a checkpoint with the real layer count, the
+    real vocabulary and 128 experts a layer (73,284 tensors: the index is ~28 MiB of the estimate)
+    but small widths, so that it converts in seconds."""
+    spec = real_spec("k3", num_experts=128, hidden=256, n_heads=2, kda_head_dim=16, q_lora_rank=32,
+                     kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                     intermediate_size=64, moe_intermediate_size=32, routed_expert_hidden_size=32)
+    info = make_sparse_checkpoint(tmp_path / "scaled", spec)
+    plan = build_plan(info.path)
+    out = tmp_path / "out"
+    out.mkdir()
+    rc, log, peak = run_measured(kimi_convert(info.path, out / "scaled.gguf"), tmp_path / "rss")
+    assert rc == 0, log
+    estimate = plan.peak_ram_estimate
+    if not _direct_io(out):
+        estimate -= min(WRITE_BUFFERS, plan.total_bytes)    # buffered writes: no staging buffers
+    # the model's figures are measured ones: it lands within 10% below to 5% above the real peak
+    assert 0.90 * estimate <= peak <= 1.05 * estimate, (peak / MiB, estimate / MiB)
+    assert estimate - plan.planning_ram_estimate >= min(WRITE_BUFFERS, plan.total_bytes) - 1
+
+
+@pytest.fixture(scope="module")
+def real_widths(tmp_path_factory):
+    """Layers 0 (KDA, dense FFN) and 1 (MLA, MoE with 896 experts) at the real widths."""
+    spec = real_spec("k3", n_layers=2, full_attn_layers=(2,), n_shards=5)
+    return make_sparse_checkpoint(tmp_path_factory.mktemp("widths") / "Kimi-K3-2L", spec).path
+
+
+def _traced_peak(plan, first: str, measured: str, max_chunks: int = 8) -> int:
+    """tracemalloc's peak while `measured` is produced, the plan's tensors being produced in order
+    from `first` and the last IN_FLIGHT chunks kept alive, as the writer's queue keeps them."""
+    from kimi_convert.convert import IN_FLIGHT
+    names = [t.name for t in plan.tensors]
+    kept: list = []
+    tracemalloc.start()
+    try:
+        for p in plan.tensors[names.index(first):names.index(measured) + 1]:
+            if p.name == measured:
+                kept = kept[-(IN_FLIGHT - 1):] if kept else []
+                tracemalloc.reset_peak()
+            for i, chunk in enumerate(_produce(p, plan.checkpoint, plan.config)):
+                kept = (kept + [chunk])[-IN_FLIGHT:]
+                if i + 1 >= max_chunks:
+                    break
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("outtype, first, measured, mapped", [
+    ("bf16", "blk.1.attn_k_b.weight", "blk.1.attn_k_b.weight", 0),
+    ("bf16", "blk.1.attn_k_b.weight", "blk.1.attn_v_b.weight", 0),       # k_b waits in the queue
+    ("bf16", "blk.1.ffn_gate_inp.weight", "blk.1.ffn_gate_inp.weight", 0),
+    ("bf16", "blk.1.ffn_gate_exps.weight", "blk.1.ffn_gate_exps.weight", 1),
+    ("f32", "blk.1.attn_k_b.weight", "blk.1.attn_v_b.weight", 0),
+    ("f32", "token_embd.weight", "token_embd.weight", 0),
+])
+def test_work_estimate_at_real_widths(real_widths, outtype, first, measured, mapped):
+    """Each transform's work figure against what its producer allocates (numpy's buffers are
+    traced); an expert's source is memory-mapped, outside tracemalloc, so it is added."""
+    plan = build_plan(real_widths, outtype)
+    p = next(t for t in plan.tensors if t.name == measured)
+    used = _traced_peak(plan, first, measured) + mapped * sum(s.nbytes for s in p.sources[0])
+    # within 1 MiB below (interpreter objects around the buffers) and at most 35% above
+    assert used - MiB <= p.work_bytes <= 1.35 * used, (measured, used / MiB, p.work_bytes / MiB)

@@ -1,0 +1,210 @@
+"""kimi-verify accepts the files llama.cpp writes: llama-quantize's outputs (headers without trailing
+1-dimensions), its converter's (per-layer arrays as INT32), and every per-layer array type its loader reads
+(src/llama-model-loader.cpp get_arr: INT32, UINT32 or BOOL), and still fails what llama.cpp would refuse."""
+from __future__ import annotations
+
+import ctypes
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
+from typer.testing import CliRunner
+
+from kimi_convert.convert import build_plan, convert
+from kimi_convert.fixtures.make_checkpoint import make_checkpoint
+from kimi_convert.gguf_io import open_gguf
+from kimi_convert.interop.llama_cpp_convert import upstream_convert
+from kimi_convert.runtime import Runtime
+from kimi_convert.verify import Part, check_lone_tensors, check_metadata, check_tensors, token_sequence, verify
+from kimi_convert.verify_cli import app
+
+VT = GGUFValueType
+N = 12          # tokens: enough for every part, short for speed
+
+
+def failures(report) -> dict:
+    return {p.key: p.failures for p in report.parts if p.ok is False}
+
+
+@pytest.fixture(scope="module")
+def wide_dir(tmp_path_factory):
+    """K3 with n_embd 256 (rows K-quants can take) and one attention head (so llama-quantize also drops
+    the leading dimension of attn_k_b/v_b, [1, r, d] -> [r, d]), with BF16 experts (so llama-quantize
+    needs no --allow-requantize)."""
+    return make_checkpoint(tmp_path_factory.mktemp("wide") / "Kimi-K3-wide", arch="k3", hidden=256,
+                           n_heads=1, kda_head_dim=64, experts_mxfp4=False)
+
+
+@pytest.fixture(scope="module")
+def wide_f32(tmp_path_factory, wide_dir):
+    out = tmp_path_factory.mktemp("wide-gguf") / "wide-f32.gguf"
+    convert(build_plan(wide_dir, "f32"), out)
+    return out
+
+
+def llama_quantize(src, dst, ftype: str):
+    """llama-quantize's own code, in process, with its default parameters."""
+    import llama_cpp
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+    params.nthread = 2
+    assert llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params)) == 0
+    return dst
+
+
+Field = tuple[Any, VT, "VT | None"]          # value, type, array element type
+
+
+def rewrite(src, dst, *, field: Callable[[str, Field], Field] = lambda name, f: f,
+            raw: Callable[[str, np.ndarray], np.ndarray] = lambda name, a: a):
+    """src copied through gguf's own writer, every key with its type and every tensor's bytes, with
+    `field` and `raw` free to change a key or the stored shape of a tensor's bytes."""
+    r = GGUFReader(src)
+    w = GGUFWriter(dst, r.fields["general.architecture"].contents())
+    for name, f in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        main = VT(f.types[0])
+        w.add_key_value(name, *field(name, (f.contents(), main, VT(f.types[-1]) if main == VT.ARRAY else None)))
+    for name, t in open_gguf(src).tensors.items():
+        data = raw(name, np.array(t.raw))
+        w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=t.qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def ggml_n_dims(name: str, raw: np.ndarray) -> np.ndarray:
+    """The bytes with the header llama.cpp writes: ggml_n_dims dimensions, i.e. without trailing ggml
+    1-dims (leading numpy 1s); the last axis (values, or bytes per row) is the stored one."""
+    shape = raw.shape
+    while len(shape) > 1 and shape[0] == 1:
+        shape = shape[1:]
+    return raw.reshape(shape)
+
+
+def stored_type(path, key: str) -> tuple[VT, VT | None]:
+    f = GGUFReader(path).fields[key]
+    return VT(f.types[0]), VT(f.types[-1]) if VT(f.types[0]) == VT.ARRAY else None
+
+
+def with_elements(keys: dict[str, VT]) -> Callable[[str, Field], Field]:
+    def field(name: str, f: Field) -> Field:
+        if name not in keys:
+            return f
+        sub = keys[name]
+        return [bool(v) if sub == VT.BOOL else int(v) for v in f[0]], VT.ARRAY, sub
+    return field
+
+
+# ------------------------------------------------------------------------------------
+# llama-quantize, and llama.cpp's headers
+
+@pytest.mark.parametrize("ftype,qtype", [("Q8_0", QT.Q8_0), ("Q4_K_M", QT.Q4_K)])
+def test_llama_quantize_output_passes(tmp_path, wide_dir, wide_f32, ftype, qtype):
+    q = llama_quantize(wide_f32, tmp_path / f"wide-{ftype}.gguf", ftype)
+    gf = open_gguf(q)
+    # what this test is about: llama-quantize's headers leave out the trailing ggml 1-dims
+    assert gf.tensors["blk.0.ssm_conv1d_q.weight"].shape == (64, 1, 4)          # ours: (1, 64, 1, 4)
+    assert gf.tensors["blk.3.attn_k_b.weight"].shape == (16, 16)                # ours: (1, 16, 16)
+    assert qtype in {t.qtype for t in gf.tensors.values()}
+
+    res = CliRunner().invoke(app, ["check", str(q), "--length", str(N)])
+    assert res.exit_code == 0, res.output
+
+    report = verify(q, wide_dir, length=N)
+    for key in ("structure", "tensors", "metadata"):
+        assert report.part(key).ok, failures(report)
+    t = report.part("tensors").figures
+    assert t["matched"] == t["total"] == len(gf.tensors) and t["by_mode"]["bound"] > 0
+    # quantized tensors are judged by their type's error bound, the logits in the quantized class
+    # (in aggregate; on random-weight fixtures it does not pass: docs/verification.md §3)
+    assert report.tolerance["file_class"] == "quantized"
+    logits = report.part("logits")
+    assert logits.ok is not None and logits.figures["mode"] == "aggregate" and logits.figures["finite"]
+
+
+def test_runtime_reads_ggml_n_dims_headers_as_ours(tmp_path, wide_dir, wide_f32):
+    """Same bytes, llama.cpp's headers: the runtime computes the same logits bit for bit, and the file
+    passes every part (F32 class, logits per position) against the checkpoint and on its own."""
+    squeezed = rewrite(wide_f32, tmp_path / "squeezed.gguf", raw=ggml_n_dims)
+    assert open_gguf(squeezed).tensors["blk.3.attn_v_b.weight"].shape == (16, 16)
+    ids = token_sequence(open_gguf(wide_f32), N)
+    assert np.array_equal(Runtime(squeezed).logits(ids), Runtime(wide_f32).logits(ids))
+    for report in (verify(squeezed, wide_dir, length=N), verify(squeezed, length=N)):
+        assert report.ok, failures(report)
+
+
+def test_a_really_different_shape_still_fails(tmp_path, wide_dir, wide_f32):
+    """Equal up to leading 1s only: a conv stored as [64, 4] (its middle 1 gone) is another shape."""
+    name = "blk.0.ssm_conv1d_q.weight"
+    bad = open_gguf(rewrite(wide_f32, tmp_path / "bad.gguf", raw=lambda n, a: a.reshape(64, 4) if n == name else a))
+    plan = build_plan(wide_dir, "f32")
+    against_checkpoint = check_tensors(Part("tensors", "t"), plan, bad, lambda s: None)
+    on_its_own = check_lone_tensors(Part("tensors", "t"), bad, plan.config, lambda s: None)
+    for part in (against_checkpoint, on_its_own):
+        assert [f.split(":")[0] for f in part.failures] == [name] and "shape [64, 4]" in part.failures[0]
+
+
+# ------------------------------------------------------------------------------------
+# metadata types: per-layer arrays of INT32, UINT32 or BOOL; scalars of exactly one type
+
+PER_LAYER_KEYS = ("kimi-k31.attention.head_count_kv", "kimi-k31.attention.indexer.types")
+
+
+@pytest.mark.parametrize("element", [VT.INT32, VT.UINT32])
+def test_per_layer_arrays_of_either_int_type_pass(tmp_path, converted, k31_dir, element):
+    """llama.cpp's converter writes per-layer int arrays as INT32, our earlier files UINT32 (and BOOL for
+    indexer.types); the loader reads all of them. (A whole INT32 file against its checkpoint: the
+    llama.cpp-conversion test below.)"""
+    f = rewrite(converted("k31", "bf16"), tmp_path / f"{element.name}.gguf",
+                field=with_elements({k: element for k in PER_LAYER_KEYS}))
+    assert [stored_type(f, k) for k in PER_LAYER_KEYS] == [(VT.ARRAY, element)] * 2
+    cfg = build_plan(k31_dir, "f32").config
+    part = check_metadata(Part("metadata", "m"), cfg.gguf_metadata(), open_gguf(f), cfg.arch, cfg=cfg)
+    assert part.ok, part.failures
+    report = verify(f, length=N)
+    assert report.ok, failures(report)
+
+
+def test_a_bool_head_count_kv_passes_and_its_values_still_count(tmp_path, converted, k3_dir):
+    key = "kimi-k3.attention.head_count_kv"
+    as_bool = rewrite(converted("k3", "bf16"), tmp_path / "bool.gguf", field=with_elements({key: VT.BOOL}))
+    assert stored_type(as_bool, key) == (VT.ARRAY, VT.BOOL)
+    assert verify(as_bool, length=N).part("metadata").ok
+    flipped = rewrite(as_bool, tmp_path / "flipped.gguf",
+                      field=lambda n, f: ([not v for v in f[0]], *f[1:]) if n == key else f)
+    cfg = build_plan(k3_dir, "f32").config
+    part = check_metadata(Part("metadata", "m"), cfg.gguf_metadata(), open_gguf(flipped), cfg.arch, cfg=cfg)
+    assert [f.split(":")[0] for f in part.failures] == [key]
+
+
+def test_a_scalar_key_keeps_its_one_type(tmp_path, converted, k3_dir):
+    """llama.cpp's get_key takes exactly one type: block_count stored as INT32 does not load, so it fails."""
+    key = "kimi-k3.block_count"
+    f = rewrite(converted("k3", "bf16"), tmp_path / "i32.gguf",
+                field=lambda n, fl: (fl[0], VT.INT32, None) if n == key else fl)
+    cfg = build_plan(k3_dir, "f32").config
+    part = check_metadata(Part("metadata", "m"), cfg.gguf_metadata(), open_gguf(f), cfg.arch, cfg=cfg)
+    assert part.failures == [f"{key}: stored as INT32, llama.cpp reads it only as UINT32"]
+
+
+# ------------------------------------------------------------------------------------
+# llama.cpp's own converter, and llama-quantize on its output
+
+def test_llama_quantize_of_llama_cpps_conversion_passes(tmp_path, k3_dir):
+    """(llama.cpp's conversion itself: tests/test_upstream_convert.py.) Its per-layer arrays are INT32,
+    and llama-quantize copies them verbatim; MXFP4_MOE keeps the (already MXFP4) experts and takes the
+    other matrices to Q8_0, so nothing is requantized."""
+    upstream = upstream_convert(k3_dir, tmp_path / "upstream-f32.gguf", "f32")
+    q = llama_quantize(upstream, tmp_path / "upstream-mxfp4-moe.gguf", "MXFP4_MOE")
+    assert stored_type(q, "kimi-k3.attention.head_count_kv") == (VT.ARRAY, VT.INT32)
+    assert open_gguf(q).tensors["blk.0.ssm_conv1d_q.weight"].shape == (64, 1, 4)
+    report = verify(q, k3_dir, length=N)
+    for key in ("structure", "tensors", "metadata"):
+        assert report.part(key).ok, failures(report)
+    assert verify(q, length=N).ok
