@@ -30,7 +30,8 @@ PYTHON="${PYTHON:-python}"
 # numeric_paths.py (stdlib only) knows what the pinned build's llama_print_system_info() reports, exactly
 NUMERIC_PATHS="$REPO_ROOT/kimi_convert/interop/numeric_paths.py"
 PINNED_SYSTEM_INFO="$("$PYTHON" "$NUMERIC_PATHS" pinned-system-info)"
-WHEEL_DIR="$INTEROP_DIR/wheels/llama-cpp-python-$LLAMA_CPP_PYTHON_VERSION-x86-64-v3"
+# the built wheel is kept outside the clone, so that another clone on this machine reinstalls it in seconds
+WHEEL_DIR="${KIMI_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kimi-convert/wheels}/llama-cpp-python-$LLAMA_CPP_PYTHON_VERSION-x86-64-v3"
 # records the flags and the sha256 of the libggml-cpu.so this script installed: any other build (pip's
 # cached native wheel, a plain `pip install llama-cpp-python`) has another hash and is rebuilt
 STAMP="$INTEROP_DIR/llama-cpp-python.stamp"

@@ -8,10 +8,11 @@ Both sides get the same float32 matrix (``--mb`` MB of rows ``--width`` wide: St
 bf16, like weights dequantized from a BF16 checkpoint) and, with an imatrix, the same random positive
 importance vector with 10% zeros. ggml is llama-cpp-python's libggml-base.so through ctypes; with N threads
 it gets N row chunks in N Python threads (ctypes releases the GIL), as llama-quantize splits a tensor;
-ours runs its numba kernels on N threads (``numba.set_num_threads``). Each (type, imatrix, threads) is
-timed ``--repeats`` times, alternating the two sides, and the best time of each is kept; the kernels are
-compiled (or loaded from numba's cache) before timing. Prints, per case, both times, the ratio
-ours/ggml (goal <= 2.0) and whether the bytes are equal.
+ours splits the rows the same way over N threads (its numba kernels release the GIL too). Each (type,
+imatrix, threads) is timed ``--repeats`` times, alternating the two sides, and the best time of each is kept;
+the kernels are compiled (or loaded from numba's cache) before timing. Prints, per case, both wall times,
+the ratio ours/ggml of wall time (goal <= 2.0) and of process CPU time (steadier on a shared machine), our
+throughput and whether the bytes are equal.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from gguf import GGMLQuantizationType as QT  # noqa: E402
 from kimi_convert.interop.ggml_quants import ggml_quantize  # noqa: E402
 from kimi_convert.quant import quantize  # noqa: E402
 
-TYPES = "Q8_0,Q4_0,Q5_0,Q2_K,Q3_K,Q4_K,Q5_K,Q6_K,IQ4_NL,IQ4_XS,F16,BF16,F32"
+TYPES = "Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,Q2_K,Q3_K,Q4_K,Q5_K,Q6_K,IQ4_NL,IQ4_XS,F16,BF16,F32"
 
 
 def weights_like(n_rows: int, width: int, seed: int = 0) -> np.ndarray:
@@ -48,13 +49,11 @@ def importance(width: int, seed: int = 1) -> np.ndarray:
     return im
 
 
-def best_time(fn, repeats: int) -> tuple[float, np.ndarray]:
-    best, out = float("inf"), None
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - t0)
-    return best, out
+def timed(fn) -> tuple[float, float, np.ndarray]:
+    """(wall s, process CPU s, result) of one call."""
+    w0, c0 = time.perf_counter(), time.process_time()
+    out = fn()
+    return time.perf_counter() - w0, time.process_time() - c0, out
 
 
 def main() -> int:
@@ -74,7 +73,8 @@ def main() -> int:
     threads = [int(t) for t in args.threads.split(",")]
     variants = {"both": (False, True), "none": (False,), "only": (True,)}[args.imatrix]
     print(f"input: {n_rows} x {args.width} float32 = {x.nbytes / 1e6:.1f} MB; best of {args.repeats}")
-    print(f"{'type':7} {'imatrix':7} {'thr':>3} {'ggml s':>8} {'ours s':>8} {'ratio':>6} {'ours Mval/s':>11}  bytes")
+    print(f"{'type':7} {'imatrix':7} {'thr':>3} {'ggml s':>8} {'ours s':>8} {'ratio':>6} {'cpu ratio':>9} "
+          f"{'ours Mval/s':>11}  bytes")
     worst = 0.0
     for qt in types:
         for with_im in variants:
@@ -83,18 +83,23 @@ def main() -> int:
             qw = im if with_im else None
             quantize(x[:2], qt, qw)  # compile / load the kernels outside the timing
             for nt in threads:
-                t_ggml = t_ours = float("inf")
-                ref = ours = None
+                wall = {"ggml": float("inf"), "ours": float("inf")}
+                cpu = dict(wall)
                 for _ in range(args.repeats):   # alternate, so that load changes hit both sides alike
-                    t, ref = best_time(lambda: ggml_quantize(x, qt, qw, threads=nt), 1)
-                    t_ggml = min(t_ggml, t)
-                    t, ours = best_time(lambda: quantize(x, qt, qw, threads=nt), 1)
-                    t_ours = min(t_ours, t)
-                ratio = t_ours / t_ggml
+                    for side, fn in (("ggml", lambda: ggml_quantize(x, qt, qw, threads=nt)),
+                                     ("ours", lambda: quantize(x, qt, qw, threads=nt))):
+                        w, c, out = timed(fn)
+                        wall[side], cpu[side] = min(wall[side], w), min(cpu[side], c)
+                        if side == "ggml":
+                            ref = out
+                        else:
+                            ours = out
+                ratio = wall["ours"] / wall["ggml"]
                 worst = max(worst, ratio)
                 equal = "equal" if np.array_equal(ref, ours) else "DIFFERENT"
-                print(f"{qt.name:7} {'yes' if with_im else 'no':7} {nt:3d} {t_ggml:8.3f} {t_ours:8.3f} {ratio:6.2f} "
-                      f"{x.size / t_ours / 1e6:11.1f}  {equal}", flush=True)
+                print(f"{qt.name:7} {'yes' if with_im else 'no':7} {nt:3d} {wall['ggml']:8.3f} {wall['ours']:8.3f} "
+                      f"{ratio:6.2f} {cpu['ours'] / cpu['ggml']:9.2f} {x.size / wall['ours'] / 1e6:11.1f}  {equal}",
+                      flush=True)
     print(f"worst ratio: {worst:.2f}")
     return 0
 

@@ -48,7 +48,7 @@ def read_shard_header(path: Path, shapes: dict | None = None) -> dict[str, Sourc
     """Parse and bounds-check one safetensors header.
 
     `shapes` (shared across shards) maps (dtype, *dims) to one (dtype, shape, nbytes) record:
-    the real model's 497,220 tensors have 47 distinct ones, so the per-tensor records share
+    the real model's 497,220 tensors have 39 distinct ones, so the per-tensor records share
     them instead of each holding its own strings, tuple and ints.
     """
     try:

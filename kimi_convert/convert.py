@@ -38,7 +38,7 @@ FLOAT_DTYPES = ("BF16", "F16", "F32")
 # The RAM model of a run (docs/performance.md, "Memory"); each figure was measured on the
 # real-size sparse checkpoint of kimi_convert.fixtures.real_size (497,220 tensors, 163,840 tokens).
 BASE_RSS = 56 << 20           # interpreter, numpy, gguf, typer, rich: 54 MiB for a tiny checkpoint
-INDEX_BYTES_PER_TENSOR = 340  # index and plan, per source tensor: 329 B measured from 144k to 497k
+INDEX_BYTES_PER_TENSOR = 340  # index and plan, per source tensor: 324 B measured from 144k to 497k
 VOCAB_BYTES_PER_TOKEN = 320   # token strings, merges and types: 300 B resident, 313 B at the peak of loading
 WRITE_BUFFERS = DirectSink.STAGE * DirectSink.BUFFERS   # O_DIRECT staging, all touched on a big output
 IN_FLIGHT = Prefetch.DEPTH + 1  # produced chunks alive at once: the queue, plus the one being staged
@@ -64,9 +64,9 @@ class PlannedTensor:
         """RAM this tensor's producer (see _produce) and its chunks in flight need at once.
 
         Per transform, the producer's temporaries plus the produced chunks in flight (at most
-        IN_FLIGHT), as measured with tracemalloc on the real widths: a real MXFP4 expert matrix
+        IN_FLIGHT), in MiB as measured with tracemalloc on the real widths: an MXFP4 expert matrix
         39 MiB (estimated 45), kv_b's split 48 (48) in bf16 and 108 (120) in f32, the router's
-        widening to F32 61 (77), a 16 MB-block cast of a big tensor 208 (224); a verbatim copy
+        widening to F32 61 (73), a 16 MB-block cast of a big tensor 208 (224); a verbatim copy
         needs nothing.
         """
         src = sum(s.nbytes for s in self.sources[0])

@@ -1,10 +1,11 @@
 """A NumPy runtime that executes a kimi-k3 / kimi-k31 GGUF the way llama.cpp's graph does.
 
 The spec is k3-gguf-and-math.md §3 (forward pass) and k31-indexer.md (the K3.1 lightning
-indexer). Everything runs in float32 like ggml's CPU ops with an f32 KV cache; only
-reductions that ggml itself sums in double (RMSNorm's mean of squares, softmax and row
-sums) use float64 before rounding back to float32. Activations are not rounded to the
-weights' vec_dot type (bf16/q8_0), so on non-F32 files llama.cpp differs by that rounding;
+indexer). Every value is float32, like ggml's CPU ops with an f32 KV cache. The reductions
+that ggml sums in double (RMSNorm's mean of squares, softmax and row sums), exp/log/tanh and
+the products that involve no weight are computed in float64 and rounded once, so that they
+give the same f32 on every CPU (see `exp`). Activations are not rounded to the weights'
+vec_dot type (bf16/q8_0), so on non-F32 files llama.cpp differs by that rounding;
 `llama_cpp_rounding` turns on that rounding and ggml's summation order for the weight
 matmuls (kimi_convert/ggml_cpu.py).
 
@@ -117,28 +118,51 @@ class Weights:
         self.llama_cpp_target = llama_cpp_target
         self.hook = hook
 
-    def matmul(self, template: str, x: np.ndarray, w: np.ndarray | None = None, *, key: int = 0,
+    def matmul(self, template: str, x: np.ndarray, *, rows: slice | None = None, head: int | None = None,
                src1_contiguous: bool = True) -> np.ndarray:
-        """ggml_mul_mat(W, x) = x @ W.T for x [T, K]; W is the tensor (or `w`, rows of it) in numpy order.
+        """ggml_mul_mat(W, x) = x @ W.T for x [T, K]; W is the tensor, its `rows`, or head `head` of a 3-D tensor
+        (attn_k_b / attn_v_b: ggml multiplies all heads in one op, head by head), in numpy order.
 
-        With a llama.cpp target, in that build's rounding and summation order (ggml_cpu.mul_mat). key tells
-        the calls of one tensor apart for the hook (the head, for attn_k_b / attn_v_b).
+        With a llama.cpp target, in that build's rounding and summation order (ggml_cpu.mul_mat), from the raw
+        blocks of the file. The hook sees the head as its key (0 otherwise).
         """
-        w = self(template) if w is None else w
         if self.hook is not None:
-            x = self.hook(self.name(template), key, x)
+            x = self.hook(self.name(template), head or 0, x)
         if self.llama_cpp_target is None:
-            return x @ w.T
-        return ggml_cpu.mul_mat(x, w, self.tensor(template).qtype, self.llama_cpp_target,
+            w = self.rows(template, rows) if rows is not None else self(template)
+            return x @ (w if head is None else w[head]).T
+        return ggml_cpu.mul_mat(x, self.operand(template, rows=rows, head=head), self.llama_cpp_target,
                                 src1_contiguous=src1_contiguous)
 
-    def expert_matvec(self, template: str, w: np.ndarray, x: np.ndarray, position: int, expert: int) -> np.ndarray:
-        """One token's row of ggml_mul_mat_id with expert matrix w [M, K]: w @ x."""
-        if self.hook is not None:
-            x = self.hook(self.name(template), (int(position), int(expert)), x)
+    def operand(self, template: str, *, rows: slice | None = None, head: int | None = None,
+                expert: int | None = None) -> ggml_cpu.WeightRows:
+        """The raw blocks of the tensor (or of its rows, a head, an expert) as ggml_cpu multiplies them."""
+        t = self.tensor(template)
+        raw = _outer_slices(t)
+        if expert is not None or head is not None:
+            raw = raw[expert if expert is not None else head].reshape(t.shape[1], -1)
+        elif rows is not None:
+            raw = raw[rows]
+        op = ggml_cpu.MUL_MAT_ID if expert is not None else ggml_cpu.MUL_MAT
+        return ggml_cpu.WeightRows(t.qtype, raw, t.shape[-1], ggml_cpu.is_repacked(t.qtype, t.shape, op))
+
+    def expert_operand(self, template: str, e: int):
+        """Expert e as expert_matmul takes it: f32 values, or its raw blocks with a llama.cpp target."""
         if self.llama_cpp_target is None:
-            return w @ x
-        return ggml_cpu.mul_mat_id_row(x, w, self.tensor(template).qtype, self.llama_cpp_target)
+            return self.expert(template, e)
+        self.loaded_experts.add((self.il, int(e)))
+        return self.operand(template, expert=e)
+
+    def expert_matmul(self, template: str, w, x: np.ndarray, positions: np.ndarray, expert: int) -> np.ndarray:
+        """The rows of ggml_mul_mat_id that go to one expert: [n, M] for the tokens `positions` with inputs x [n, K]
+        and the expert's matrix w (from expert_operand). Each row is its own product (one mat-vec per token, so that
+        a result does not depend on which other tokens chose the expert); with a llama.cpp target, by that build's
+        mul_mat_id kernel, which for some types depends on how many rows the expert gets."""
+        if self.hook is not None:
+            x = np.stack([self.hook(self.name(template), (int(t), int(expert)), row) for t, row in zip(positions, x)])
+        if self.llama_cpp_target is None:
+            return np.stack([w @ row for row in x])
+        return ggml_cpu.mul_mat_id(x, w, self.llama_cpp_target, expert_rows=len(positions))
 
     def name(self, template: str) -> str:
         return tname(template, self.il)
@@ -326,15 +350,14 @@ def mla(h: np.ndarray, w: Weights, cfg: KimiConfig, c_q: np.ndarray | None,
     ckv = linear(w, T.ATTN_KV_A_MQA, h)
     c = rms_norm(ckv[:, :r], cfg.rms_eps) * w(T.ATTN_KV_A_NORM)           # latent, normed
     kp = ckv[:, r:]                                                         # NoPE: not rotated
-    k_b = w(T.ATTN_K_B)                             # [H, r, d_n]; ggml's src1 is a permuted view of q
-    qa = np.stack([w.matmul(T.ATTN_K_B, q[h, :, :d_n], k_b[h], key=h, src1_contiguous=False) for h in range(H)])
+    # attn_k_b [H, r, d_n]; ggml's src1 is a permuted view of q
+    qa = np.stack([w.matmul(T.ATTN_K_B, q[h, :, :d_n], head=h, src1_contiguous=False) for h in range(H)])
     Q = np.concatenate([qa, q[:, :, d_n:]], axis=-1)
     K = np.concatenate([c, kp], axis=-1)                                    # the single KV head
     scores = matmul(Q, K.T) * F32(1 / math.sqrt(d_n + d_r))
     p = softmax(np.where(keep, scores, F32(-np.inf)))                       # [H, T, T]
     u = matmul(p, c)                                                        # V = the latent itself
-    v_b = w(T.ATTN_V_B)                             # [H, d_v, r]
-    o = np.stack([w.matmul(T.ATTN_V_B, u[h], v_b[h], key=h) for h in range(H)]).transpose(1, 0, 2)
+    o = np.stack([w.matmul(T.ATTN_V_B, u[h], head=h) for h in range(H)]).transpose(1, 0, 2)   # attn_v_b [H, d_v, r]
     o = o.reshape(n_tok, H * cfg.v_head_dim)
     if w.has(T.ATTN_GATE):                        # the gate reads the normed layer input
         o = o * sigmoid(linear(w, T.ATTN_GATE, h))
@@ -381,17 +404,17 @@ def moe_route(x: np.ndarray, w: Weights, cfg: KimiConfig) -> tuple[np.ndarray, n
 def routed_experts(z: np.ndarray, sel: np.ndarray, wts: np.ndarray, w: Weights, cfg: KimiConfig) -> np.ndarray:
     """sum_slot w * down_e situ(gate_e z, up_e z), dequantising each selected expert once.
 
-    Each token is a separate mat-vec so that its result does not depend on which other
-    tokens chose the same expert (BLAS rounding varies with the batch size).
+    Each token is a separate mat-vec (Weights.expert_matmul) so that its result does not depend on
+    which other tokens chose the same expert (BLAS rounding varies with the batch size).
     """
     n_tok, k = sel.shape
     per_slot = np.zeros((k, n_tok, w.tensor(T.FFN_DOWN_EXPS).shape[1]), F32)
     for e in np.unique(sel):
-        gate, up, down = (w.expert(n, e) for n in (T.FFN_GATE_EXPS, T.FFN_UP_EXPS, T.FFN_DOWN_EXPS))
-        for t, slot in zip(*np.nonzero(sel == e)):
-            act = situ(w.expert_matvec(T.FFN_GATE_EXPS, gate, z[t], t, e),
-                       w.expert_matvec(T.FFN_UP_EXPS, up, z[t], t, e), cfg.situ_beta, cfg.situ_linear_beta)
-            per_slot[slot, t] = w.expert_matvec(T.FFN_DOWN_EXPS, down, act, t, e) * wts[t, slot]
+        gate, up, down = (w.expert_operand(n, e) for n in (T.FFN_GATE_EXPS, T.FFN_UP_EXPS, T.FFN_DOWN_EXPS))
+        tokens, slots = np.nonzero(sel == e)
+        act = situ(w.expert_matmul(T.FFN_GATE_EXPS, gate, z[tokens], tokens, e),
+                   w.expert_matmul(T.FFN_UP_EXPS, up, z[tokens], tokens, e), cfg.situ_beta, cfg.situ_linear_beta)
+        per_slot[slots, tokens] = w.expert_matmul(T.FFN_DOWN_EXPS, down, act, tokens, e) * wts[tokens, slots][:, None]
         del gate, up, down
     y = per_slot[0]
     for j in range(1, k):                          # added slot by slot, as ggml aggregates
@@ -474,10 +497,11 @@ class Runtime:
                  matmul_hook: MatmulHook | None = None):
         """top_k overrides the file's indexer top_k; matmul_hook sees every weight matmul's input.
 
-        llama_cpp_rounding computes the weight matmuls as a llama.cpp build does, to compare a BF16 or
-        MXFP4 file with it position by position: True or ggml_cpu.X86_AVX2 for llama-cpp-python as
-        .ci/install-interop.sh pins it (activation rounding and summation order), ggml_cpu.WASM for
-        wllama (activation rounding only). See kimi_convert/ggml_cpu.py."""
+        llama_cpp_rounding computes the weight matmuls as a llama.cpp build does, to compare a BF16, MXFP4
+        or quantized file with it position by position: True or ggml_cpu.X86_AVX2 for llama-cpp-python as
+        .ci/install-interop.sh pins it (activation rounding, the kernel it picks and its arithmetic),
+        ggml_cpu.WASM for wllama (its rounding, and the arithmetic of the kernels read from its wasm). See
+        kimi_convert/ggml_cpu.py."""
         target = ggml_cpu.X86_AVX2 if llama_cpp_rounding is True else llama_cpp_rounding or None
         if target is not None and target not in ggml_cpu.TARGETS:
             raise ValueError(f"llama_cpp_rounding must be a bool or one of {ggml_cpu.TARGETS}, not {llama_cpp_rounding!r}")
@@ -501,7 +525,7 @@ class Runtime:
         w = self.weights(None)
         for a in range(0, out.shape[0], OUTPUT_CHUNK_ROWS):
             rows = slice(a, min(a + OUTPUT_CHUNK_ROWS, out.shape[0]))
-            logits[:, rows] = w.matmul(T.OUTPUT, y, w.rows(T.OUTPUT, rows))
+            logits[:, rows] = w.matmul(T.OUTPUT, y, rows=rows)
         return logits
 
     def hidden(self, token_ids) -> np.ndarray:

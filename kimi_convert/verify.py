@@ -1,24 +1,29 @@
 """Prove a GGUF by reading and executing it: `kimi-verify check`.
 
-With the HF checkpoint (`verify(gguf, hf_dir)`), six parts, each pass/fail with figures:
+With the HF checkpoint (`verify(gguf, hf_dir)`), seven parts, each pass/fail with figures:
 
   structure   the file(s) parse; tensor data aligned, inside the file, not overlapping
   tensors     every GGUF tensor against its HF source through the plan's transform:
-              bit-exact for float and MXFP4 tensors, relative RMS error within the type's
-              bound for quantised ones; nothing missing, nothing extra
+              bit-exact for float and MXFP4 tensors; a quantized one must be, byte for byte,
+              our quantization (quant.blocks, with the imatrix) of the values the converter
+              writes; nothing missing, nothing extra
   metadata    every architecture key (value and GGUF type) against
               KimiConfig.gguf_metadata() of the checkpoint's config, plus the vocabulary
   logits      runtime (GGUF) vs reference (HF) on a fixed token sequence: max |diff|,
               argmax agreement, KL, within the file class's tolerances; positions whose
-              MoE / DSA routing margin is below tolerance are listed and excluded
+              MoE / DSA routing margin is below tolerance are listed and excluded. For a
+              quantized file the reference runs on the file's dequantized weights
   k31 indexer top_k >= length is bit-identical to dense MLA (runtime and reference), and
               top_k below the length diverges (KL reported) while matching the reference
   perplexity  of runtime and reference on the sequence, and their ratio
+  cost        what quantization costs: KL and perplexity ratio of the file's logits against
+              the reference on the checkpoint as is (information; a gate with max_kl)
 
 Without a checkpoint (`verify(gguf)`): structure; every tensor the architecture implies
 (from KimiConfig.from_gguf and tensor_map's table) present with its shape and an allowed
-type, no extra, all data readable and finite; metadata keys with the types llama.cpp
-reads; a forward pass without NaN; and the runtime-only half of the k31 part.
+type, no extra, valid blocks (as ggml_validate_row_data) and finite values; metadata keys
+with the types llama.cpp reads; a forward pass without NaN; and the runtime-only half of the
+k31 part.
 
 Files llama.cpp writes pass as ours do: shapes are compared up to leading 1s (trailing ggml
 1-dims, which llama-quantize's headers leave out), and each key may have any type llama.cpp's
@@ -31,6 +36,7 @@ not failures.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import asdict, dataclass, field, replace
 from importlib import import_module
@@ -38,16 +44,19 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
-from gguf import GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGUFValueType
 from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize
 
 from . import mxfp4
 from .checkpoint import NUMPY_DTYPE, Checkpoint, SourceTensor, bf16_to_f32, f32_to_bf16, to_f32
+from .convert import OUTTYPES, ssm_a
 from .constants import INDEXER_MATRIX_TYPES, Key, T, key
 from .errors import KimiError
 from .gguf_io import GGUFFile, GGUFTensor, gguf_parts, open_gguf, read_gguf, same_shape, tensor_nbytes
 from .model import KimiConfig
+from .quant.driver import imatrix_vectors, quantize_rows, row_chunks
+from .quant.plan import Decision, QuantPlan
 from .tensor_map import A_LOG, CONV1D, COPY, EXPERTS, K_B, RES_SCORE, V_B, gguf_tensors
 
 SEQ_LEN = 32
@@ -55,47 +64,29 @@ SEED = 0
 CHUNK_ELEMS = 1 << 22            # elements compared at a time (16 MiB of f32 per side)
 MIN_JUDGED_FRACTION = 0.5        # fewer unflagged positions than this and the logits part fails
 
-# Quantised tensors: bound on the relative RMS error ||dequant - source|| / ||source||.
-# About 2.5x what gguf.quants measures on heavy-tailed (Student-t 3) data for the legacy
-# types, the bit-width analogues for K/IQ types. A wrong tensor (swapped, transposed,
-# another layer's) scores ~sqrt(2) = 1.41, so even the loosest bound catches it.
-QUANT_REL_RMS = {
-    QT.Q8_0: 0.02, QT.Q8_1: 0.02, QT.Q8_K: 0.02,
-    QT.Q6_K: 0.05,
-    QT.Q5_0: 0.1, QT.Q5_1: 0.1, QT.Q5_K: 0.1,
-    QT.Q4_0: 0.2, QT.Q4_1: 0.2, QT.Q4_K: 0.2, QT.IQ4_NL: 0.2, QT.IQ4_XS: 0.2,
-    QT.MXFP4: 0.25, QT.NVFP4: 0.25,
-    QT.Q3_K: 0.35, QT.IQ3_S: 0.35, QT.IQ3_XXS: 0.35,
-    QT.Q2_K: 0.6, QT.IQ2_S: 0.6, QT.IQ2_XS: 0.6, QT.IQ2_XXS: 0.6,
-    QT.IQ1_S: 1.0, QT.IQ1_M: 1.0, QT.TQ1_0: 1.0, QT.TQ2_0: 1.0,
-}
 FLOAT_TYPES = (QT.F32, QT.F16, QT.BF16)
+CONVERTED_TYPES = (QT.F32, QT.BF16)      # the float types kimi-convert writes (its --outtype, and F32 rules)
 
 
 # ------------------------------------------------------------------------------------
 # tolerances (docs/verification.md explains every number)
 
+CHECKPOINT, FILE = "checkpoint", "file"      # what the reference's weights are
+
 @dataclass(frozen=True)
 class Tolerance:
     file_class: str
-    logits_rtol: float | None   # per position: max |logit diff| <= logits_rtol * RMS(reference logits);
-                                # None: judged in aggregate only (quantized files)
-    kl_max: float               # KL(reference || runtime), nats: per position, or the mean if aggregate
-    margin: float               # routing margins below this are near-ties: listed (and, per position,
-                                # not judged)
-    argmax_min: float = 1.0     # fraction of judged positions whose argmax must agree (near ties aside)
-    ppl_log_max: float | None = None    # bound on |ln(ppl_runtime / ppl_reference)|; None: 2 * atol
-
-    @property
-    def per_position(self) -> bool:
-        return self.logits_rtol is not None
+    logits_rtol: float          # per position: max |logit diff| <= logits_rtol * RMS(reference logits)
+    kl_max: float               # KL(reference || runtime) per position, nats
+    margin: float               # routing margins below this are near-ties: listed and not judged
+    reference: str = CHECKPOINT  # the weights the reference runs on: the checkpoint's, or the file's (FILE)
 
     def atol(self, scale: float) -> float:
-        return (self.logits_rtol or 0.0) * scale
+        return self.logits_rtol * scale
 
     def ppl_bound(self, scale: float) -> float:
         # |ln ratio| <= max_t |Δ log p_t| <= 2 max|Δ logit|: the logits bound carries over
-        return self.ppl_log_max if self.ppl_log_max is not None else 2 * self.atol(scale)
+        return 2 * self.atol(scale)
 
 
 # Forcing top_k below the length is compared with the same runtime's dense result, which
@@ -106,10 +97,9 @@ DIVERGENCE_MIN = 1e-4
 TOLERANCES = {
     "f32": Tolerance("f32", logits_rtol=1e-3, kl_max=1e-6, margin=1e-4),
     "bf16": Tolerance("bf16", logits_rtol=2e-2, kl_max=1e-3, margin=1e-3),
-    # provisional (the quantizer is a later issue): aggregate criteria as for llama.cpp's
-    # KL-divergence reports, meaningful on trained checkpoints only (docs/verification.md)
-    "quantized": Tolerance("quantized", logits_rtol=None, kl_max=5e-2, margin=1e-2, argmax_min=0.9,
-                           ppl_log_max=5e-2),
+    # the reference runs on the file's own (dequantized) weights, so both sides hold the same
+    # values, as for an F32 file; what quantization costs is the `cost` part's, not a tolerance
+    "quantized": Tolerance("quantized", logits_rtol=1e-3, kl_max=1e-6, margin=1e-4, reference=FILE),
 }
 
 
@@ -138,6 +128,7 @@ class Part:
     figures: dict[str, Any] = field(default_factory=dict)
     rows: list[dict[str, Any]] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
+    info: bool = False                      # figures to read, not a verdict (ok is None)
 
     def fail(self, message: str) -> None:
         self.failures.append(message)
@@ -292,12 +283,9 @@ def _margins_of(obj) -> dict:
 
 
 def compare_logits(run: np.ndarray, ref: np.ndarray, tol: Tolerance, exclude: list[int]) -> dict[str, Any]:
-    """Figures and verdict of runtime logits vs reference logits.
-
-    Per position (F32/BF16 files): every position not in `exclude` must be within the max |diff|
-    and KL bounds and agree on the argmax (unless the reference's top two are a near tie).
-    In aggregate (quantized files): mean KL and the argmax agreement rate over all positions.
-    """
+    """Figures and verdict of runtime logits vs reference logits: every position not in `exclude`
+    must be within the max |diff| and KL bounds and agree on the argmax (unless the reference's
+    top two are a near tie)."""
     run, ref = np.asarray(run, np.float64), np.asarray(ref, np.float64)
     T = len(ref)
     scale = float(np.sqrt(np.mean(ref ** 2))) or 1.0
@@ -307,24 +295,16 @@ def compare_logits(run: np.ndarray, ref: np.ndarray, tol: Tolerance, exclude: li
     top2 = np.sort(ref, axis=-1)[:, -2:] if ref.shape[-1] > 1 else np.zeros((T, 2))
     near_tie = (top2[:, 1] - top2[:, 0]) < 2 * atol
     agree = run.argmax(-1) == ref.argmax(-1)
-    excluded = sorted(set(exclude)) if tol.per_position else []
+    excluded = sorted(set(exclude))
     judged = [t for t in range(T) if t not in set(excluded)]
     j = np.array(judged, dtype=np.int64)
     finite = bool(np.isfinite(run).all())
     enough = len(judged) >= max(1, math.ceil(MIN_JUDGED_FRACTION * T))
-    bad_diff = bad_kl = bad_arg = []
-    if tol.per_position:
-        bad_diff = [t for t in judged if not diff[t] <= atol]
-        bad_kl = [t for t in judged if not kl[t] <= tol.kl_max]
-        bad_arg = [t for t in judged if not agree[t] and not near_tie[t]]
-        kl_ok = not bad_kl
-        agree_ok = not bad_arg
-    else:
-        kl_ok = bool(kl.mean() <= tol.kl_max)
-        agree_ok = bool(agree.mean() >= tol.argmax_min)
+    bad_diff = [t for t in judged if not diff[t] <= atol]
+    bad_kl = [t for t in judged if not kl[t] <= tol.kl_max]
+    bad_arg = [t for t in judged if not agree[t] and not near_tie[t]]
     return {
-        "ok": not bad_diff and kl_ok and agree_ok and enough and finite,
-        "mode": "per position" if tol.per_position else "aggregate",
+        "ok": not bad_diff and not bad_kl and not bad_arg and enough and finite,
         "finite": finite, "positions": T, "judged": len(judged), "excluded": excluded, "enough_judged": enough,
         "logit_scale_rms": scale, "atol": atol,
         "max_abs_diff": float(diff[j].max()) if len(j) else float("nan"),
@@ -333,8 +313,7 @@ def compare_logits(run: np.ndarray, ref: np.ndarray, tol: Tolerance, exclude: li
         "argmax_near_ties": [t for t in judged if near_tie[t] and not agree[t]],
         "kl_max": float(kl[j].max()) if len(j) else float("nan"),
         "kl_mean": float(kl[j].mean()) if len(j) else float("nan"),
-        "kl_tol": tol.kl_max, "kl_ok": kl_ok, "argmax_ok": agree_ok, "argmax_min": tol.argmax_min,
-        "bad_diff": bad_diff, "bad_kl": bad_kl, "bad_argmax": bad_arg,
+        "kl_tol": tol.kl_max, "bad_diff": bad_diff, "bad_kl": bad_kl, "bad_argmax": bad_arg,
     }
 
 
@@ -348,21 +327,12 @@ def _logit_failures(c: dict, what: str) -> list[str]:
         out.append(f"{what}: KL > {c['kl_tol']:.0e} at positions {c['bad_kl']}")
     if c["bad_argmax"]:
         out.append(f"{what}: argmax differs at positions {c['bad_argmax']}")
-    if c["mode"] == "aggregate":
-        if not c["kl_ok"]:
-            out.append(f"{what}: mean KL {c['kl_mean']:.2e} > {c['kl_tol']:.0e}")
-        if not c["argmax_ok"]:
-            out.append(f"{what}: argmax agrees at {c['argmax_agree']}/{c['judged']} positions, "
-                       f"fewer than {c['argmax_min']:.0%}")
     if not c["enough_judged"]:
         out.append(f"{what}: only {c['judged']}/{c['positions']} positions left after excluding near-ties")
     return out
 
 
 def _fmt_logits(c: dict) -> str:
-    if c["mode"] == "aggregate":
-        return (f"mean KL {c['kl_mean']:.1e} (tol {c['kl_tol']:.0e}), argmax {c['argmax_agree']}/{c['judged']} "
-                f"(min {c['argmax_min']:.0%}), max|Δ| {c['max_abs_diff']:.2e} (not bounded)")
     return (f"max|Δ| {c['max_abs_diff']:.2e} (tol {c['atol']:.2e}), argmax {c['argmax_agree']}/{c['judged']}, "
             f"KL max {c['kl_max']:.1e} (tol {c['kl_tol']:.0e})"
             + (f", excluded {c['excluded']}" if c["excluded"] else ""))
@@ -423,55 +393,33 @@ def check_structure(part: Part, path: Path) -> Part:
 
 @dataclass
 class _Acc:
-    """Running comparison of one tensor, chunk by chunk."""
-    exact: bool
+    """Running bit-exact comparison of one tensor, chunk by chunk (NaN equals NaN)."""
     n: int = 0
     n_diff: int = 0
     first_diff: int | None = None
     max_abs: float = 0.0
-    sse: float = 0.0
-    ss: float = 0.0
-    max_ulp: int = 0
 
     def add(self, expected: np.ndarray, got: np.ndarray, offset: int = 0) -> None:
         e = np.ascontiguousarray(expected, np.float32).reshape(-1)
         g = np.ascontiguousarray(got, np.float32).reshape(-1)
         if e.shape != g.shape:
             raise ValueError(f"{g.size} values where {e.size} were expected")
-        if self.exact:
-            neq = e.view(np.uint32) != g.view(np.uint32)
-            both_nan = np.isnan(e) & np.isnan(g)
-            neq &= ~both_nan
-            k = int(neq.sum())
-            if k:
-                if self.first_diff is None:
-                    self.first_diff = offset + int(np.argmax(neq))
-                self.n_diff += k
-        with np.errstate(invalid="ignore", over="ignore"):
-            d = np.abs(e.astype(np.float64) - g.astype(np.float64))
-        d = np.where(np.isnan(e) & np.isnan(g), 0.0, d)
-        if d.size:
-            m = float(np.nanmax(d)) if not np.isnan(d).all() else float("nan")
-            self.max_abs = max(self.max_abs, m) if not math.isnan(m) else float("nan")
-        self.sse += float(np.nansum(d * d))
-        self.ss += float(np.nansum(e.astype(np.float64) ** 2))
+        neq = (e.view(np.uint32) != g.view(np.uint32)) & ~(np.isnan(e) & np.isnan(g))
+        k = int(neq.sum())
+        if k:
+            if self.first_diff is None:
+                self.first_diff = offset + int(np.argmax(neq))
+            self.n_diff += k
+            with np.errstate(invalid="ignore", over="ignore"):
+                d = np.abs(e[neq].astype(np.float64) - g[neq].astype(np.float64))
+            self.max_abs = max(self.max_abs, float(np.nanmax(d))) if not np.isnan(d).all() else float("nan")
         self.n += e.size
-
-    @property
-    def rel_rms(self) -> float:
-        return math.sqrt(self.sse / self.ss) if self.ss > 0 else (0.0 if self.sse == 0 else float("inf"))
 
 
 def _round_to(values: np.ndarray, qtype: QT) -> np.ndarray:
-    """What storing f32 `values` as a float qtype gives back (RNE for BF16, IEEE for F16)."""
-    if qtype == QT.F32:
-        return values
-    if qtype == QT.BF16:
-        return bf16_to_f32(f32_to_bf16(values))
-    if qtype == QT.F16:
-        with np.errstate(over="ignore"):
-            return values.astype(np.float16).astype(np.float32)
-    return values
+    """What the converter storing f32 `values` as `qtype` gives back: RNE for BF16, the values otherwise
+    (F32, and MXFP4, whose repack keeps the checkpoint's codes)."""
+    return bf16_to_f32(f32_to_bf16(values)) if qtype == QT.BF16 else values
 
 
 def _gguf_values(t: GGUFTensor, index=slice(None)) -> np.ndarray:
@@ -485,95 +433,229 @@ def _rows(src: SourceTensor, ckpt: Checkpoint, a: int, b: int) -> np.ndarray:
     return to_f32(np.frombuffer(raw, dtype=NUMPY_DTYPE[src.dtype]), src.dtype)
 
 
-def _expected_chunks(p, t: GGUFTensor, ckpt: Checkpoint, cfg: KimiConfig) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """(expected f32 in GGUF layout, GGUF f32) pieces of one planned tensor, bounded in size."""
+def _expected_pieces(p, ckpt: Checkpoint, cfg: KimiConfig) -> Iterator[tuple[np.ndarray, Any]]:
+    """(the f32 values the converter computes, in GGUF layout, before rounding to its output type; the index
+    of the GGUF tensor's stored rows they stand for) of one planned tensor, in pieces bounded in size."""
     tr = p.rule.transform
     if tr in (COPY, CONV1D):
         src = p.sources[0][0]
-        if len(src.shape) < 2 or len(t.raw.shape) < 2 or tr == CONV1D:
-            yield ckpt.read_f32(src).reshape(-1), _gguf_values(t).reshape(-1)
+        if len(src.shape) < 2 or tr == CONV1D:
+            yield ckpt.read_f32(src).reshape(-1), slice(None)
             return
         n_rows = src.shape[0]
         per = max(1, CHUNK_ELEMS // max(1, int(np.prod(src.shape[1:]))))
-        raw2d = t.raw.reshape(n_rows, -1)
         for a in range(0, n_rows, per):
             b = min(n_rows, a + per)
-            yield _rows(src, ckpt, a, b), np.asarray(dequantize(raw2d[a:b], t.qtype), np.float32).reshape(-1)
+            yield _rows(src, ckpt, a, b), slice(a, b)
     elif tr == RES_SCORE:
         norm, proj = (ckpt.read_f32(s).reshape(-1) for s in p.sources[0])
-        yield (norm.astype(np.float32) * proj.astype(np.float32)), _gguf_values(t).reshape(-1)
+        yield norm.astype(np.float32) * proj.astype(np.float32), slice(None)
     elif tr == A_LOG:
-        yield None, _gguf_values(t).reshape(-1)     # handled by the caller (ulp compare)
+        yield ssm_a(ckpt.read_f32(p.sources[0][0]), cfg.n_head), slice(None)
     elif tr in (K_B, V_B):
         src = p.sources[0][0]
         kv = ckpt.read_f32(src).reshape(cfg.n_head, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         part = (kv[:, :cfg.qk_nope_head_dim, :].transpose(0, 2, 1) if tr == K_B
                 else kv[:, cfg.qk_nope_head_dim:, :])
-        yield np.ascontiguousarray(part).reshape(-1), _gguf_values(t).reshape(-1)
+        yield np.ascontiguousarray(part).reshape(-1), slice(None)
     elif tr == EXPERTS:
         for e, group in enumerate(p.sources):
             if len(group) == 2:          # compressed-tensors MXFP4, decoded by its own definition
                 exp = mxfp4.decode_compressed(ckpt.read(group[0]), ckpt.read(group[1]))
             else:
                 exp = ckpt.read_f32(group[0])
-            yield exp.reshape(-1), _gguf_values(t, e).reshape(-1)
+            yield exp.reshape(-1), e
     else:
         raise AssertionError(f"unknown transform {tr}")
 
 
-def compare_tensor(p, t: GGUFTensor, ckpt: Checkpoint, cfg: KimiConfig) -> dict[str, Any]:
+def _mxfp4_repack(p, t: GGUFTensor) -> bool:
+    """An MXFP4 expert of an MXFP4 checkpoint: the converter's lossless repack."""
+    return t.qtype == QT.MXFP4 and p.rule.transform == EXPERTS and len(p.sources[0]) == 2
+
+
+def is_quantized(p, t: GGUFTensor) -> bool:
+    """Stored in a type the converter does not write (it writes F32, BF16 and repacked MXFP4): made by a
+    quantizer, from the converter's values. F16 counts: kimi-quantize and llama-quantize write it as a
+    target or a shape fallback, rounding the converted values once more."""
+    return t.qtype not in CONVERTED_TYPES and not _mxfp4_repack(p, t)
+
+
+def compare_tensor(p, t: GGUFTensor, ckpt: Checkpoint, cfg: KimiConfig, imatrix=None) -> dict[str, Any]:
     """One planned tensor against the GGUF one: a row of the tensors table."""
     row: dict[str, Any] = {"tensor": p.name, "type": t.qtype.name, "transform": p.rule.transform}
     if not same_shape(t.shape, p.shape):
         return row | {"ok": False, "mode": "shape", "detail": f"shape {list(t.shape)}, expected {list(p.shape)}"}
     t = t.as_shape(p.shape)
+    if is_quantized(p, t):
+        return row | compare_quantized(p, t, ckpt, cfg, imatrix)
     if p.rule.transform == A_LOG:
         # -exp(A_log[:H]) is computed, not copied: compared with the float64 value rounded to the
         # stored type, within 4 ulp (no float32 exp is correctly rounded everywhere)
-        a = ckpt.read_f32(p.sources[0][0]).astype(np.float64)[:cfg.n_head]
-        want = _round_to((-np.exp(a)).astype(np.float32), t.qtype)
+        want = _round_to(ssm_a(ckpt.read_f32(p.sources[0][0]), cfg.n_head), t.qtype)
         got = _gguf_values(t).reshape(-1)
-        if t.qtype in FLOAT_TYPES:
-            ulp = np.abs(want.view(np.int32).astype(np.int64) - got.view(np.int32).astype(np.int64))
-            ulp_max = int(ulp.max()) if ulp.size else 0
-            ok = ulp_max <= 4 and bool((np.sign(want) == np.sign(got)).all())
-            return row | {"ok": ok, "mode": "ulp", "max_ulp": ulp_max,
-                          "detail": f"max {ulp_max} ulp from -exp(A_log) (bound 4)"}
-        acc = _Acc(exact=False)
-        acc.add(want, got)
-        return _quant_row(row, acc, t.qtype)
-    exact = t.qtype in FLOAT_TYPES or (t.qtype == QT.MXFP4 and p.rule.transform == EXPERTS
-                                       and len(p.sources[0]) == 2)
-    acc = _Acc(exact=exact)
-    offset = 0
-    for expected, got in _expected_chunks(p, t, ckpt, cfg):
-        if exact:
-            expected = _round_to(np.asarray(expected, np.float32), t.qtype)
-            if t.qtype == QT.MXFP4:      # ggml's E2M1 table has no -0: code 8 decodes to +0
-                expected, got = expected + np.float32(0), got + np.float32(0)
-        acc.add(expected, got, offset)
-        offset += got.size
-    if exact:
-        ok = acc.n_diff == 0
-        detail = ("bit-exact" if ok else
-                  f"{acc.n_diff}/{acc.n} values differ (first at flat index {acc.first_diff}, "
-                  f"max |diff| {acc.max_abs:.3g})")
-        return row | {"ok": ok, "mode": "exact", "n_values": acc.n, "n_diff": acc.n_diff,
-                      "max_abs_diff": acc.max_abs, "detail": detail}
-    return _quant_row(row, acc, t.qtype)
+        ulp = np.abs(want.view(np.int32).astype(np.int64) - got.view(np.int32).astype(np.int64))
+        ulp_max = int(ulp.max()) if ulp.size else 0
+        ok = ulp_max <= 4 and bool((np.sign(want) == np.sign(got)).all())
+        return row | {"ok": ok, "mode": "ulp", "max_ulp": ulp_max,
+                      "detail": f"max {ulp_max} ulp from -exp(A_log) (bound 4)"}
+    acc = _Acc()
+    for expected, index in _expected_pieces(p, ckpt, cfg):
+        got = _gguf_values(t, index).reshape(-1)
+        expected = _round_to(np.asarray(expected, np.float32), t.qtype)
+        if t.qtype == QT.MXFP4:          # ggml's E2M1 table has no -0: code 8 decodes to +0
+            expected, got = expected + np.float32(0), got + np.float32(0)
+        acc.add(expected, got, acc.n)
+    ok = acc.n_diff == 0
+    detail = ("bit-exact" if ok else
+              f"{acc.n_diff}/{acc.n} values differ (first at flat index {acc.first_diff}, "
+              f"max |diff| {acc.max_abs:.3g})")
+    return row | {"ok": ok, "mode": "exact", "n_values": acc.n, "n_diff": acc.n_diff,
+                  "max_abs_diff": acc.max_abs, "detail": detail}
 
 
-def _quant_row(row: dict, acc: _Acc, qtype: QT) -> dict:
-    bound = QUANT_REL_RMS.get(qtype)
-    if bound is None:
-        return row | {"ok": False, "mode": "bound", "detail": f"no error bound known for {qtype.name}"}
-    rel = acc.rel_rms
-    return row | {"ok": rel <= bound, "mode": "bound", "rel_rms": rel, "bound": bound,
-                  "max_abs_diff": acc.max_abs,
-                  "detail": f"relative RMS error {rel:.3e} (bound {bound:g} for {qtype.name})"}
+# ------------------------------------------------------------------------------------
+# quantized tensors: recomputed from the checkpoint, byte for byte
+
+def converted_rows(p, ckpt: Checkpoint, cfg: KimiConfig) -> Callable[[int, int], np.ndarray]:
+    """rows(a, b): rows a..b-1 of planned tensor p seen as [rows, ne0] (rows counted across experts), as the
+    f32 values the converter computes. Reads only those rows; the small tensors (kv_b's halves, the conv,
+    the fused scores) are made whole once."""
+    if p.rule.transform == COPY and len(p.shape) == 2:
+        src = p.sources[0][0]
+        return lambda a, b: _rows(src, ckpt, a, b)
+    if p.rule.transform == EXPERTS:
+        return lambda a, b: _expert_rows(p, ckpt, a, b)
+    whole = np.concatenate([np.asarray(x, np.float32).reshape(-1) for x, _ in _expected_pieces(p, ckpt, cfg)])
+    whole = whole.reshape(-1, p.shape[-1])
+    return lambda a, b: whole[a:b]
 
 
-def check_tensors(part: Part, plan, gf: GGUFFile, log: Callable[[str], None]) -> Part:
+def _expert_rows(p, ckpt: Checkpoint, a: int, b: int) -> np.ndarray:
+    e, r = divmod(a, p.shape[-2])        # row_chunks never crosses an expert
+    group = p.sources[e]
+    if len(group) == 2:                  # MXFP4, as ggml dequantizes it for a re-quantization (no -0)
+        packed, scale = (ckpt.map(s) for s in group)
+        return mxfp4.decode_compressed(packed[r:r + b - a], scale[r:r + b - a]) + np.float32(0)
+    return _rows(group[0], ckpt, r, r + b - a)
+
+
+def converted_types(p) -> tuple[QT, ...]:
+    """The float types the converter may have written p as, in the order tried: its output types (BF16, the
+    default, then F32), or F32 alone where both hold the same values (BF16 or MXFP4 sources, F32 rules)."""
+    if p.rule.f32 or all(s.dtype in ("BF16", "U8") for group in p.sources for s in group):
+        return (QT.F32,)
+    return tuple(OUTTYPES.values())
+
+
+@dataclass
+class _Blocks:
+    """Running byte comparison of one quantized tensor, block by block."""
+    type_size: int
+    blocks_per_row: int
+    n: int = 0
+    n_diff: int = 0
+    first: tuple[int, int] | None = None        # (row, block in that row) of the first differing block
+    first_rows: tuple[int, int] | None = None   # the chunk that holds it
+
+    def add(self, a: int, b: int, expected: np.ndarray, stored: np.ndarray) -> None:
+        bad = (expected.reshape(-1, self.type_size) != stored.reshape(-1, self.type_size)).any(axis=1)
+        self.n += bad.size
+        k = int(bad.sum())
+        if k and self.first is None:
+            i = int(np.argmax(bad))
+            self.first, self.first_rows = (a + i // self.blocks_per_row, i % self.blocks_per_row), (a, b)
+        self.n_diff += k
+
+
+def compare_quantized(p, t: GGUFTensor, ckpt: Checkpoint, cfg: KimiConfig, imatrix) -> dict[str, Any]:
+    """The file's blocks against our quantization (quant.blocks, chunked and imatrix-sliced by the driver's
+    quantize_rows) of the values the converter writes, with the imatrix vector kimi-quantize would use."""
+    from .quant.blocks import block_type, quantize, supported_types     # noqa: PLC0415  (numba, on first use)
+    row: dict[str, Any] = {"mode": "quantized"}
+    if t.qtype not in supported_types():
+        have = ", ".join(q.name for q in supported_types() if q not in FLOAT_TYPES)
+        return row | {"ok": False, "detail": f"{t.qtype.name}: no byte-exact quantizer for this type here "
+                                             f"(have {have}), so it cannot be checked against its source"}
+    bt = block_type(t.qtype)
+    d = Decision(p.name, p.shape, QT.F32, t.qtype, "the file's type")
+    vector = imatrix_vectors(QuantPlan([d]), imatrix, []).get(p.name) if imatrix is not None else None
+    stored = t.raw.reshape(-1, t.raw.shape[-1]).view(np.uint8)      # rows of bytes (F16: of values)
+    read = converted_rows(p, ckpt, cfg)
+    via, chunks = _closest_conversion(d, read, vector, stored, converted_types(p))
+    acc = _Blocks(bt.type_size, p.shape[-1] // bt.block_size)
+    for a, b, q in chunks:
+        acc.add(a, b, q, stored[a:b])
+    used = vector is not None and bt.uses_imatrix()        # Q8_0 ignores it, as ggml's quantize_q8_0 does
+    values = via.name if len(converted_types(p)) > 1 else _source_dtypes(p)
+    how = f"from {values} values, " + ("with the imatrix" if used else "without an imatrix")
+    row |= {"converted_as": via.name, "imatrix": used, "uses_imatrix": bt.uses_imatrix(),
+            "n_blocks": acc.n, "n_diff": acc.n_diff}
+    if not acc.n_diff:
+        return row | {"ok": True, "detail": f"byte for byte our {t.qtype.name} ({how})"}
+    (r, k), (a, b) = acc.first, acc.first_rows
+    unit, at = ("values", "value") if bt.block_size == 1 else ("blocks", "block")
+    plain = used and np.array_equal(    # the chunk that differs, quantized without the imatrix
+        quantize(_round_to(read(a, b), via).reshape(b - a, -1), t.qtype), stored[a:b])
+    return row | {"ok": False, "plain_matches": plain,
+                  "detail": f"{acc.n_diff}/{acc.n} {t.qtype.name} {unit} differ from our quantization ({how}; "
+                            f"first at row {r}, {at} {k})"
+                            + ("; those rows equal our quantization without an imatrix" if plain else "")}
+
+
+def _source_dtypes(p) -> str:
+    return "/".join(sorted({"MXFP4" if s.dtype == "U8" else s.dtype for group in p.sources for s in group}))
+
+
+def _closest_conversion(d: Decision, read, vector, stored: np.ndarray, types: tuple[QT, ...]):
+    """(type, chunks): of the types the converter may have written, the one whose first chunk of blocks
+    differs least from the file's (the first that matches), and the quantized chunks (a, b, bytes) from it."""
+    best = None
+    for qtype in types:
+        chunks = quantize_rows(replace(d, source=qtype), lambda a, b, q=qtype: _round_to(read(a, b), q), vector)
+        first = next(chunks)
+        n_diff = int((first[2] != stored[first[0]:first[1]]).sum())
+        if best is None or n_diff < best[0]:
+            best = (n_diff, qtype, first, chunks)
+        if n_diff == 0:
+            break
+    _, qtype, first, chunks = best
+    return qtype, itertools.chain([first], chunks)
+
+
+IMATRIX_KEYS = ("quantize.imatrix.file", "quantize.imatrix.dataset", "quantize.imatrix.entries_count",
+                "quantize.imatrix.chunks_count")
+
+
+def imatrix_failure(rows: list[dict], gf: GGUFFile, imatrix) -> str | None:
+    """One line when the quantized tensors that differ point at the imatrix rather than at damage: the file
+    records one (quantize.imatrix.*, which kimi-quantize and the llama-quantize tool write) and none was given,
+    or another one; the differing blocks are those made without one; or the pattern a wrong imatrix leaves:
+    only, and at least two, tensors of types that use one differ (a flipped byte damages one tensor)."""
+    bad = [r for r in rows if not r["ok"]]
+    suspects = [r for r in bad if r.get("mode") == "quantized" and r.get("uses_imatrix")]
+    if not suspects:
+        return None
+    recorded = {k: gf.fields[k] for k in IMATRIX_KEYS if k in gf.fields}
+    given = {k: v for k, v, _ in imatrix.metadata()} if imatrix is not None else {}
+    checked = f"--imatrix {imatrix.path}" if imatrix is not None else "no --imatrix"
+    if recorded and imatrix is None:
+        return (f"the imatrix differs: the file was quantized with the imatrix {recorded.get(IMATRIX_KEYS[0])} "
+                f"(quantize.imatrix.*), and it was checked without one: give it with --imatrix")
+    if not recorded and any(r.get("plain_matches") for r in suspects):
+        return f"the imatrix differs: the file records none, and its blocks are those made without one ({checked})"
+    differ = {k: (recorded.get(k), given.get(k)) for k in IMATRIX_KEYS if recorded and recorded.get(k) != given.get(k)}
+    said = "; ".join(f"the file records {k} = {_short(a)}, {checked} has {_short(b)}" for k, (a, b) in differ.items())
+    if set(differ) - {IMATRIX_KEYS[0]}:         # not only the path, which a moved file changes
+        return f"the imatrix differs: {said}"
+    if len(suspects) == len(bad) >= 2:
+        return (f"the imatrix differs from the one the file was quantized with ({checked}): the {len(bad)} "
+                f"tensors that differ are all of types that use one ({', '.join(sorted({r['type'] for r in bad}))}), "
+                f"every other tensor matches" + (f"; {said}" if said else ""))
+    return None
+
+
+def check_tensors(part: Part, plan, gf: GGUFFile, log: Callable[[str], None], imatrix=None) -> Part:
     ckpt, cfg = plan.checkpoint, plan.config
     planned = {p.name: p for p in plan.tensors}
     n_ok = 0
@@ -585,7 +667,10 @@ def check_tensors(part: Part, plan, gf: GGUFFile, log: Callable[[str], None]) ->
             part.rows.append({"tensor": p.name, "ok": False, "mode": "missing", "detail": "missing"})
             by_mode["missing"] = by_mode.get("missing", 0) + 1
             continue
-        row = compare_tensor(p, t, ckpt, cfg)
+        try:
+            row = compare_tensor(p, t, ckpt, cfg, imatrix)
+        except (KimiError, ValueError) as e:        # an imatrix entry of another size, an invalid source
+            row = {"tensor": p.name, "type": t.qtype.name, "ok": False, "mode": "quantized", "detail": str(e)}
         part.rows.append(row)
         by_mode[row["mode"]] = by_mode.get(row["mode"], 0) + 1
         if row["ok"]:
@@ -604,15 +689,19 @@ def check_tensors(part: Part, plan, gf: GGUFFile, log: Callable[[str], None]) ->
         # every tensor is there in its shape and none holds its source's values: one cause, one line
         part.failures = [f"none of the {compared} tensors holds the values of its source in {ckpt.dir}: "
                          f"the file was not converted from this checkpoint"]
+    elif (why := imatrix_failure(part.rows, gf, imatrix)) is not None:
+        part.failures.insert(0, why)
     part.figures = {"matched": n_ok, "total": len(plan.tensors), "extra": len(extra), "by_mode": by_mode,
                     "matched_by_mode": matched_by_mode,
-                    "mismatched": [r["tensor"] for r in part.rows if not r["ok"]]}
+                    "mismatched": [r["tensor"] for r in part.rows if not r["ok"]],
+                    "imatrix": imatrix.path if imatrix is not None else None,
+                    "imatrix_recorded": {k: gf.fields[k] for k in IMATRIX_KEYS if k in gf.fields}}
     return part.finish(f"{n_ok}/{len(plan.tensors)} tensors match their HF source"
                        + (f", {len(extra)} extra" if extra else "") + f" ({_modes_summary(by_mode, matched_by_mode)})")
 
 
 # how compare_tensor judges a tensor, in the summary's words
-VALUE_MODES = {"exact": "bit-exact", "ulp": "ssm_a within 4 ulp", "bound": "within their type's error bound"}
+VALUE_MODES = {"exact": "bit-exact", "ulp": "ssm_a within 4 ulp", "quantized": "quantized byte for byte"}
 OTHER_MODES = {"shape": "of another shape", "missing": "missing"}
 
 
@@ -621,6 +710,66 @@ def _modes_summary(by_mode: dict[str, int], matched: dict[str, int]) -> str:
     values = [f"{matched[m]}/{by_mode[m]} {w}" for m, w in VALUE_MODES.items() if m in by_mode]
     others = [f"{by_mode[m]} {w}" for m, w in OTHER_MODES.items() if m in by_mode]
     return "; ".join(x for x in (", ".join(values), ", ".join(others)) if x)
+
+
+# ------------------------------------------------------------------------------------
+# the file's weights, for the reference (quantized files)
+
+def file_weights(plan, gf: GGUFFile) -> dict[str, Callable[[slice | None], np.ndarray]]:
+    """HF name -> rows of the file's values of that weight, dequantized and mapped back to the HF name and
+    layout (inverting the plan's transform), for every weight whose values in the file are not the
+    checkpoint's (quantized, or stored in a narrower float type): ReferenceModel's weight_overrides."""
+    out: dict[str, Callable] = {}
+    kv_b: dict[SourceTensor, dict[str, GGUFTensor]] = {}
+    for p in plan.tensors:
+        t = gf.tensors.get(p.name)
+        if t is None or not same_shape(t.shape, p.shape) or not _lossy(p, t):
+            continue
+        t, tr, src = t.as_shape(p.shape), p.rule.transform, p.sources[0][0]
+        if tr == EXPERTS:                # expert e: the GGUF's matrix e, in the HF layout already
+            out |= {group[0].name: _rows_of(t, e) for e, group in enumerate(p.sources)}
+        elif tr in (K_B, V_B):           # both halves of one kv_b
+            kv_b.setdefault(src, {})[tr] = t
+        elif tr == COPY and len(p.shape) == 2:
+            out[src.name] = _rows_of(t, None)
+        elif tr in (COPY, CONV1D):
+            out[src.name] = lambda rows, t=t, shape=src.shape: _gguf_values(t).reshape(shape)[_all(rows)]
+        # RES_SCORE (norm * proj) and A_LOG (-exp) have no HF tensor of their own; F32 in every file
+    for src, halves in kv_b.items():
+        out[src.name] = lambda rows, src=src, halves=halves: _kv_b_values(src, halves, plan)[_all(rows)]
+    return out
+
+
+def _lossy(p, t: GGUFTensor) -> bool:
+    """The file holds other values than the checkpoint: quantized (F16 included), or BF16 rounded from an
+    F32 or F16 source (MXFP4 codes times powers of two are BF16 values)."""
+    if is_quantized(p, t):
+        return True
+    return t.qtype == QT.BF16 and any(s.dtype not in ("BF16", "U8") for group in p.sources for s in group)
+
+
+def _all(rows: slice | None) -> slice:
+    return slice(None) if rows is None else rows
+
+
+def _rows_of(t: GGUFTensor, expert: int | None) -> Callable[[slice | None], np.ndarray]:
+    """Rows of a 2-D tensor, or of expert `expert` of a stacked one, dequantized (only those rows)."""
+    if expert is None:
+        return lambda rows: _gguf_values(t, _all(rows))
+    return lambda rows: _gguf_values(t, expert)[_all(rows)]
+
+
+def _kv_b_values(src: SourceTensor, halves: dict[str, GGUFTensor], plan) -> np.ndarray:
+    """kv_b [H*(d_n+d_v), r] with its k rows from attn_k_b (H, r, d_n) and its v rows from attn_v_b (H, d_v, r)
+    where the file's differ; the other half from the checkpoint."""
+    cfg = plan.config
+    dn, dv, r = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    kv = plan.checkpoint.read_f32(src).reshape(cfg.n_head, dn + dv, r).copy()
+    if K_B in halves:
+        kv[:, :dn, :] = _gguf_values(halves[K_B]).reshape(cfg.n_head, r, dn).transpose(0, 2, 1)
+    if V_B in halves:
+        kv[:, dn:, :] = _gguf_values(halves[V_B]).reshape(cfg.n_head, dv, r)
+    return kv.reshape(src.shape)
 
 
 # ------------------------------------------------------------------------------------
@@ -768,11 +917,13 @@ def check_lone_tensors(part: Part, gf: GGUFFile, cfg: KimiConfig, log: Callable[
             if allowed and t.qtype not in allowed:
                 problems.append(f"type {t.qtype.name}, must be {'/'.join(q.name for q in allowed)}")
             if not problems:
-                bad = _non_finite(t)
-                if bad:
+                invalid = _invalid_block(t)
+                if invalid:
+                    problems.append(invalid)
+                elif bad := _non_finite(t):
                     problems.append(f"{bad} non-finite values")
         row["ok"] = not problems
-        row["detail"] = "; ".join(problems) or "present, readable, finite"
+        row["detail"] = "; ".join(problems) or "present, valid blocks, finite"
         part.rows.append(row)
         if problems:
             part.fail(f"{name}: {row['detail']}")
@@ -786,7 +937,25 @@ def check_lone_tensors(part: Part, gf: GGUFFile, cfg: KimiConfig, log: Callable[
         part.rows.append({"tensor": name, "ok": False, "detail": "extra"})
     part.figures = {"present_ok": n_ok, "expected": len(want), "extra": extra}
     return part.finish(f"{n_ok}/{len(want)} expected tensors present with the implied shape, "
-                       f"readable and finite" + (f", {len(extra)} extra" if extra else ""))
+                       f"valid blocks and finite values" + (f", {len(extra)} extra" if extra else ""))
+
+
+def _invalid_block(t: GGUFTensor) -> str | None:
+    """Where ggml_validate_row_data (quant.blocks.validate_blocks) rejects t's data, a row chunk at a time,
+    or None. Types without a quantizer here (MXFP4, ...) are left to the finite check."""
+    from .quant.blocks import InvalidBlockError, supported_types, validate_blocks    # noqa: PLC0415
+    if t.qtype not in supported_types():
+        return None
+    block = GGML_QUANT_SIZES[t.qtype][0]
+    stored = t.raw.reshape(-1, t.raw.shape[-1])
+    for _, a, b in row_chunks(t.shape):
+        try:
+            validate_blocks(np.ascontiguousarray(stored[a:b]).view(np.uint8), t.qtype)
+        except InvalidBlockError as e:
+            row, k = divmod(e.block, t.shape[-1] // block)
+            what, where = (f"{e.what} value", f"element {k}") if block == 1 else (f"{e.what} scale", f"block {k}")
+            return f"invalid {t.qtype.name} data (as ggml_validate_row_data): {what} at row {a + row}, {where}"
+    return None
 
 
 def _non_finite(t: GGUFTensor) -> int:
@@ -828,8 +997,10 @@ def _available_ram() -> int | None:
 class _Runs:
     """Forward passes, made once and shared by the parts that need them."""
 
-    def __init__(self, gguf: Path, hf_dir: Path | None, ids: list[int], log: Callable[[str], None] = print):
+    def __init__(self, gguf: Path, hf_dir: Path | None, ids: list[int], log: Callable[[str], None] = print,
+                 weights: dict[str, Callable] | None = None):
         self.gguf, self.hf_dir, self.ids, self.log = gguf, hf_dir, ids, log
+        self.weights = weights      # the file's weights for the reference (file_weights), or None: the checkpoint's
         self._cache: dict[Any, tuple[np.ndarray, dict]] = {}
 
     def runtime(self, top_k: int | None = None, dense: bool = False) -> tuple[np.ndarray, dict]:
@@ -850,11 +1021,14 @@ class _Runs:
             self._cache[key] = (out, _margins_of(rt.routing_margins))
         return self._cache[key]
 
-    def reference(self, top_k: int | None = None, dense: bool = False) -> tuple[np.ndarray, dict]:
-        key = ("ref", top_k, dense)
+    def reference(self, top_k: int | None = None, dense: bool = False, on: str = FILE) -> tuple[np.ndarray, dict]:
+        """The reference on the file's weights (on=FILE, when there are any) or on the checkpoint as is."""
+        overrides = self.weights if on == FILE else None
+        key = ("ref", top_k, dense, overrides is not None)
         if key not in self._cache:
             from .reference import ReferenceModel
-            ref = ReferenceModel(str(self.hf_dir), top_k_override=top_k, use_indexer=not dense)
+            ref = ReferenceModel(str(self.hf_dir), top_k_override=top_k, use_indexer=not dense,
+                                 weight_overrides=overrides)
             out = ref.logits(self.ids).detach().numpy().astype(np.float32)
             self._cache[key] = (out, _margins_of(ref.last_routing_margins))
         return self._cache[key]
@@ -867,20 +1041,23 @@ def check_logits(part: Part, runs: _Runs, tol: Tolerance) -> Part:
     c = compare_logits(run, ref, tol, flags.positions)
     for msg in _logit_failures(c, "runtime vs reference"):
         part.fail(msg)
-    part.figures = c | {"flagged": flags.describe(), "margin_tol": tol.margin}
+    on_file = runs.weights is not None
+    part.figures = c | {"flagged": flags.describe(), "margin_tol": tol.margin,
+                        "reference_weights": f"the file's ({len(runs.weights)} dequantized)" if on_file
+                        else "the checkpoint's"}
     part.rows = [{"position": t, "max_abs_diff": float(np.abs(run[t] - ref[t]).max()),
                   "kl": float(kl_div(ref[t:t + 1], run[t:t + 1])[0]),
                   "argmax_run": int(run[t].argmax()), "argmax_ref": int(ref[t].argmax()),
                   "judged": t not in flags.reasons, "flag": "; ".join(flags.reasons.get(t, []))}
                  for t in range(len(ref))]
-    return part.finish(_fmt_logits(c))
+    return part.finish(_fmt_logits(c) + ("; reference on the file's weights" if on_file else ""))
 
 
 def check_perplexity(part: Part, runs: _Runs, tol: Tolerance) -> Part:
     run, m_run = runs.runtime()
     ref, m_ref = runs.reference()
     flags = routing_flags(tol.margin, ("runtime", m_run), ("reference", m_ref))
-    judged = [t for t in range(len(runs.ids) - 1) if not (tol.per_position and t in flags.reasons)]
+    judged = [t for t in range(len(runs.ids) - 1) if t not in flags.reasons]
     p_run, p_ref = perplexity(run, runs.ids, judged), perplexity(ref, runs.ids, judged)
     ratio = p_run / p_ref
     scale = float(np.sqrt(np.mean(np.asarray(ref, np.float64) ** 2))) or 1.0
@@ -892,6 +1069,29 @@ def check_perplexity(part: Part, runs: _Runs, tol: Tolerance) -> Part:
                     "reference_all": perplexity(ref, runs.ids)}
     return part.finish(f"runtime {p_run:.4f}, reference {p_ref:.4f}, ratio {ratio:.6f} "
                        f"(|ln| bound {bound:.1e}) over {len(judged)} predictions")
+
+
+def check_cost(part: Part, runs: _Runs, max_kl: float | None) -> Part:
+    """What quantization costs: the file's logits (runtime) against the reference on the checkpoint as is.
+    Information, unless max_kl makes the mean KL a gate."""
+    run, _ = runs.runtime()
+    ref, _ = runs.reference(on=CHECKPOINT)
+    kl = kl_div(ref, run)
+    p_run, p_ref = perplexity(run, runs.ids), perplexity(ref, runs.ids)
+    agree = int((run.argmax(-1) == ref.argmax(-1)).sum())
+    if max_kl is not None and not kl.mean() <= max_kl:
+        part.fail(f"mean KL {kl.mean():.3e} against the checkpoint is above --max-kl {max_kl:g}")
+    part.figures = {"kl_mean": float(kl.mean()), "kl_max": float(kl.max()), "ppl_runtime": p_run,
+                    "ppl_checkpoint": p_ref, "ppl_ratio": p_run / p_ref, "argmax_agree": agree,
+                    "positions": len(kl), "max_kl": max_kl}
+    part.rows = [{"position": t, "kl": float(kl[t]), "argmax_run": int(run[t].argmax()),
+                  "argmax_checkpoint": int(ref[t].argmax())} for t in range(len(kl))]
+    part.finish(f"mean KL {kl.mean():.2e} (max {kl.max():.2e}), perplexity ratio {p_run / p_ref:.4f}, argmax "
+                f"{agree}/{len(kl)} against the checkpoint as is"
+                + (f" (gate: mean KL <= {max_kl:g})" if max_kl is not None else " (information)"))
+    if max_kl is None:
+        part.ok, part.info = None, True
+    return part
 
 
 def check_forward(part: Part, runs: _Runs) -> Part:
@@ -994,13 +1194,25 @@ def reference_unavailable() -> str | None:
 
 
 def verify(gguf_path: Path, hf_dir: Path | None = None, *, length: int = SEQ_LEN, seed: int = SEED,
-           log: Callable[[str], None] = lambda s: None) -> Report:
-    """Check `gguf_path` (any part of a split file) against `hf_dir`, or on its own."""
+           imatrix=None, max_kl: float | None = None, log: Callable[[str], None] = lambda s: None) -> Report:
+    """Check `gguf_path` (any part of a split file) against `hf_dir`, or on its own.
+
+    imatrix: the importance matrix the file was quantized with (a path, or quant.imatrix.load_imatrix's
+    result), for the byte comparison of its quantized tensors; max_kl: fail when the mean KL of the file's
+    logits against the checkpoint's is above it. Both need hf_dir."""
     gguf_path = Path(gguf_path)
     if not gguf_path.exists():
         raise KimiError(f"{gguf_path}: not found")
     if length < 2:
         raise KimiError(f"--length {length}: need at least 2 tokens")
+    for given, what in ((imatrix, "--imatrix"), (max_kl, "--max-kl")):
+        if given is not None and hf_dir is None:
+            raise KimiError(f"{what} needs the checkpoint: kimi-verify check HF_DIR {gguf_path} {what} ...")
+    if max_kl is not None and not max_kl >= 0:
+        raise KimiError(f"--max-kl {max_kl}: must be a number >= 0 (nats)")
+    if imatrix is not None and not hasattr(imatrix, "vector"):
+        from .quant.imatrix import load_imatrix
+        imatrix = load_imatrix(imatrix)                 # a bad imatrix is the user's error: raises
     plan = None
     if hf_dir is not None:
         from .convert import build_plan
@@ -1025,7 +1237,7 @@ def verify(gguf_path: Path, hf_dir: Path | None = None, *, length: int = SEQ_LEN
         structure.ok = False
     report = Report(str(gguf_path), hf, ids, asdict(tol), [structure])
     if plan is not None:
-        report.parts += _checkpoint_parts(report, gf, plan, Path(hf_dir), tol, log)
+        report.parts += _checkpoint_parts(report, gf, plan, Path(hf_dir), tol, log, imatrix, max_kl)
     else:
         report.parts += _lone_parts(gf, _Runs(gguf_path, None, ids, log), tol, log)
     return report
@@ -1039,7 +1251,8 @@ def _needs_ids(runs: "_Runs", fn: Callable[[Part], Part]) -> Callable[[Part], Pa
     return body
 
 
-def _checkpoint_parts(report: Report, gf: GGUFFile, plan, hf_dir: Path, tol: Tolerance, log) -> list[Part]:
+def _checkpoint_parts(report: Report, gf: GGUFFile, plan, hf_dir: Path, tol: Tolerance, log, imatrix,
+                      max_kl: float | None) -> list[Part]:
     cfg = plan.config
     if gf.arch != cfg.arch:                             # nothing else can be compared: one line says why
         meta = Part("metadata", "metadata vs config.json")
@@ -1048,28 +1261,37 @@ def _checkpoint_parts(report: Report, gf: GGUFFile, plan, hf_dir: Path, tol: Tol
         meta.finish(f"architecture {gf.arch or 'missing'}, the checkpoint's is {cfg.arch}")
         skipped = [Part(k, t, ok=None, summary="not compared: the architectures differ")
                    for k, t in (("tensors", "tensors vs checkpoint"), ("logits", "logits: runtime vs reference"),
-                                ("perplexity", "perplexity"))]
+                                ("perplexity", "perplexity"), ("cost", COST_TITLE))]
         return skipped[:1] + [meta] + skipped[1:]
     no_reference = reference_unavailable()
-    runs = _Runs(Path(report.gguf), None if no_reference else hf_dir, report.tokens, log)
+    weights = file_weights(plan, gf) if tol.reference == FILE else None
+    runs = _Runs(Path(report.gguf), None if no_reference else hf_dir, report.tokens, log, weights)
     log("comparing tensors")
-    parts = [_run(Part("tensors", "tensors vs checkpoint"), lambda p: check_tensors(p, plan, gf, log)),
+    parts = [_run(Part("tensors", "tensors vs checkpoint"), lambda p: check_tensors(p, plan, gf, log, imatrix)),
              _run(Part("metadata", "metadata vs config.json"),
                   lambda p: check_metadata(p, cfg.gguf_metadata(), gf, cfg.arch, cfg=cfg))]
     if no_reference:                                    # the file is not at fault: those parts are n/a
         log("running the runtime (no reference)")
-        report.notes.append(f"logits, perplexity{', K3.1 against the reference' if cfg.indexer else ''}: "
-                            f"n/a -- {no_reference}")
+        report.notes.append(f"logits, perplexity, quantization cost"
+                            f"{', K3.1 against the reference' if cfg.indexer else ''}: n/a -- {no_reference}")
+        cost = Part("cost", COST_TITLE, ok=None, summary=no_reference)
+        if max_kl is not None:                          # a gate that cannot be evaluated does not pass
+            cost.fail(f"--max-kl {max_kl:g} cannot be checked: {no_reference}")
+            cost.ok = False
         return parts + [Part("logits", "logits: runtime vs reference", ok=None, summary=no_reference),
                         _run(Part("k31", "K3.1 indexer (runtime only)"),
                              _needs_ids(runs, lambda p: check_k31(p, runs, cfg, tol))),
-                        Part("perplexity", "perplexity", ok=None, summary=no_reference)]
-    log("running runtime and reference")
+                        Part("perplexity", "perplexity", ok=None, summary=no_reference), cost]
+    log("running runtime and reference" + (" (on the file's dequantized weights)" if weights else ""))
     return parts + [_run(Part("logits", "logits: runtime vs reference"),
                          _needs_ids(runs, lambda p: check_logits(p, runs, tol))),
                     _run(Part("k31", "K3.1 indexer"), _needs_ids(runs, lambda p: check_k31(p, runs, cfg, tol))),
                     _run(Part("perplexity", "perplexity"),
-                         _needs_ids(runs, lambda p: check_perplexity(p, runs, tol)))]
+                         _needs_ids(runs, lambda p: check_perplexity(p, runs, tol))),
+                    _run(Part("cost", COST_TITLE), _needs_ids(runs, lambda p: check_cost(p, runs, max_kl)))]
+
+
+COST_TITLE = "quantization cost (vs the checkpoint)"
 
 
 def _lone_parts(gf: GGUFFile, runs: "_Runs", tol: Tolerance, log) -> list[Part]:

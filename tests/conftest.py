@@ -13,10 +13,30 @@ if str(ROOT) not in sys.path:
 from kimi_convert.fixtures.make_checkpoint import make_checkpoint  # noqa: E402
 
 
-def pytest_report_header(config):
-    """CPU flags, llama.cpp's compiled ISA and numpy's kernels: an interop failure then says which path ran."""
-    from kimi_convert.interop.platform import numeric_paths
+# CPU flags, llama.cpp's compiled ISA and numpy's kernels (docs/verification.md §8): printed at the start, also
+# under -q, and attached to every failing interop test, so that a failure says which arithmetic ran.
+
+def _numeric_paths() -> list[str]:
+    from kimi_convert.interop.numeric_paths import numeric_paths
     return numeric_paths()
+
+
+def pytest_report_header(config):
+    return _numeric_paths()
+
+
+def pytest_sessionstart(session):
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None and session.config.option.verbose < 0:      # -q hides the header
+        for line in _numeric_paths():
+            reporter.write_line(line)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    if report.failed and "interop" in item.nodeid:
+        report.sections.append(("numeric paths", "\n".join(_numeric_paths())))
 
 
 @pytest.fixture(scope="session")

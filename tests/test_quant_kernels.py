@@ -20,7 +20,8 @@ from gguf import GGMLQuantizationType as QT
 from kimi_convert.interop import ggml_quants as ggml
 from kimi_convert.quant import InvalidBlockError, dequantize, quantize, row_size, validate_blocks
 
-BLOCK_TYPES = [QT.Q8_0, QT.Q4_0, QT.Q5_0, QT.IQ4_NL, QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_XS]
+BLOCK_TYPES = [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.IQ4_NL,
+               QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_XS]
 FLOAT_TYPES = [QT.F32, QT.F16, QT.BF16]
 ROW_LENGTHS_32 = (32, 96, 256, 3584, 7168)
 ROW_LENGTHS_256 = (256, 512, 3584, 7168)
@@ -51,6 +52,11 @@ def _ties(rng, shape):
     if shape[0] > 2:
         x[2] = rng.integers(-16, 16, size=n) + 0.5
         x[2, ::16] = -16.0               # Q5_0/Q3_K-like exact grids
+    for row, top in ((3, 31), (4, 15)):  # Q5_1 / Q4_1: min 0 and max `top` per block give d = 1 exactly,
+        if shape[0] > row:               # so (x - min)*id + 0.5 and nearest_int land on whole numbers / halves
+            x[row] = rng.integers(0, top, size=n) + 0.5
+            x[row, ::32] = 0.0
+            x[row, 1::32] = top
     return x
 
 
@@ -132,7 +138,8 @@ def first_difference(ours: np.ndarray, ref: np.ndarray, qtype: QT) -> str:
             f"ggml {ref[r, blk * size:(blk + 1) * size].tobytes().hex()}")
 
 
-QT_BLOCK = {QT.F32: 1, QT.F16: 1, QT.BF16: 1, QT.Q8_0: 32, QT.Q4_0: 32, QT.Q5_0: 32, QT.IQ4_NL: 32,
+QT_BLOCK = {QT.F32: 1, QT.F16: 1, QT.BF16: 1,
+            QT.Q8_0: 32, QT.Q4_0: 32, QT.Q4_1: 32, QT.Q5_0: 32, QT.Q5_1: 32, QT.IQ4_NL: 32,
             QT.Q2_K: 256, QT.Q3_K: 256, QT.Q4_K: 256, QT.Q5_K: 256, QT.Q6_K: 256, QT.IQ4_XS: 256}
 
 
@@ -201,8 +208,9 @@ def _break_scale(q: np.ndarray, qtype: QT, block: int, offset: int, bits: int) -
 
 
 # byte offsets of the fp16 scales in each block (ggml-common.h): d, then dmin where there is one
-SCALE_OFFSETS = {QT.Q8_0: (0,), QT.Q4_0: (0,), QT.Q5_0: (0,), QT.IQ4_NL: (0,), QT.Q2_K: (80, 82), QT.Q3_K: (108,),
-                 QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,), QT.IQ4_XS: (0,)}
+SCALE_OFFSETS = {QT.Q8_0: (0,), QT.Q4_0: (0,), QT.Q4_1: (0, 2), QT.Q5_0: (0,), QT.Q5_1: (0, 2), QT.IQ4_NL: (0,),
+                 QT.Q2_K: (80, 82), QT.Q3_K: (108,), QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,),
+                 QT.IQ4_XS: (0,)}
 
 
 @pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
@@ -249,13 +257,21 @@ def test_overflowing_scale_is_invalid_in_both():
             validate_blocks(q, qtype)
 
 
+def test_any_layout_and_dtype_of_input():
+    """Strided or float64 input is quantized as its float32 C-contiguous copy would be."""
+    rng = np.random.default_rng(13)
+    wide = rng.standard_normal((6, 1024))
+    x = wide[:, ::2]
+    assert np.array_equal(quantize(x, QT.Q6_K), ggml.ggml_quantize(np.ascontiguousarray(x, np.float32), QT.Q6_K))
+
+
 def test_bad_arguments():
     x = np.zeros((2, 96), np.float32)
     with pytest.raises(ValueError, match="multiple of 256"):
         quantize(x, QT.Q4_K)
     with pytest.raises(ValueError, match="imatrix has shape"):
         quantize(x, QT.Q4_0, np.ones(95, np.float32))
-    with pytest.raises(ValueError, match="no quantizer for ggml type Q4_1"):
-        quantize(x, QT.Q4_1)
+    with pytest.raises(ValueError, match="no quantizer for ggml type IQ2_XXS"):
+        quantize(x, QT.IQ2_XXS)
     with pytest.raises(ValueError, match="2-D"):
         quantize(np.zeros(96, np.float32), QT.Q8_0)

@@ -19,8 +19,8 @@ from kimi_convert.quant.imatrix import load_imatrix
 from kimi_convert.quant.plan import QuantizeError
 from kimi_convert.quant.policy import parse_policy
 
-TYPES = ["Q8_0", "Q4_0", "Q5_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "F16", "BF16", "F32"]
-IMATRIX_TYPES = ["Q4_0", "Q5_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
+TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "F16", "BF16", "F32"]
+IMATRIX_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
 IMATRIX_KEYS = {"quantize.imatrix.file", "quantize.imatrix.dataset", "quantize.imatrix.entries_count",
                 "quantize.imatrix.chunks_count"}      # written by the llama-quantize tool, not by the library call
 

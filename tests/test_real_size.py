@@ -3,8 +3,9 @@ it, and the converter's RAM estimate against measured peaks.
 
 The expected figures are written out here from shared/reference/k3-hf-format.md (sections 1-5) and
 k31-indexer.md, not taken from the generator, so each test compares two independent sources.
-Run time on 2 cores: about 1-2 minutes for the module, most of it the dry run (about 15 s) and
-the scaled conversion (about 20 s); disk use a few hundred MB (the shards are holes).
+Run time on 2 busy cores: about 2 minutes for the module: generating the real-size K3 and K3.1
+checkpoints (10-25 s each), the dry run in a subprocess (15-25 s), the data-less GGUF of the real
+K3 (13-18 s) and a 73,284-tensor conversion (20-27 s). Disk use: about 500 MB (the shards are holes).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import pytest
 import safetensors
 
 from kimi_convert.checkpoint import Checkpoint
-from kimi_convert.errors import DiskSpaceError
+from kimi_convert.errors import CheckpointError, DiskSpaceError
 from kimi_convert.convert import (BASE_RSS, INDEX_BYTES_PER_TENSOR, VOCAB_BYTES_PER_TOKEN, WRITE_BUFFERS,
                                   _produce, build_plan)
 from kimi_convert.fixtures.make_checkpoint import FixtureSpec, make_checkpoint, tensor_plan
@@ -194,6 +195,51 @@ def test_k31_adds_the_indexer_on_the_mla_layers(real_k31):
     assert (idx.n_head, idx.head_dim, idx.top_k) == (32, 128, 2048)
 
 
+# --- the compact index keeps every check of the index against the headers -----------------------
+
+def _tiny(tmp_path: Path) -> Path:
+    return make_checkpoint(tmp_path / "Kimi-K3-tiny", arch="k3", n_layers=2, n_shards=4)
+
+
+def test_a_tensor_in_two_shards_names_both(tmp_path):
+    """The index's names are struck off as headers are read; a second copy must still be caught."""
+    from kimi_convert.fixtures.make_checkpoint import _write_safetensors, read_safetensors_raw
+    d = _tiny(tmp_path)
+    first, second = "model-00001-of-000004.safetensors", "model-00002-of-000004.safetensors"
+    _, tensors = read_safetensors_raw(d / first)
+    name, extra = next(iter(tensors.items()))
+    _, others = read_safetensors_raw(d / second)
+    _write_safetensors(d / second, {n: (t.dtype, t.shape, t.data) for n, t in {**others, name: extra}.items()})
+    with pytest.raises(CheckpointError, match=rf"{second}: tensor {re.escape(name)} is in this shard but "
+                                              rf"indexed in {first}"):
+        Checkpoint(d)
+
+
+def test_an_index_entry_that_is_not_a_file_name(tmp_path):
+    d = _tiny(tmp_path)
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    name = sorted(index["weight_map"])[3]
+    index["weight_map"][name] = ["model-00001-of-000004.safetensors"]
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=rf"index.json: tensor {re.escape(name)} maps to \['model-"):
+        Checkpoint(d)
+
+
+def test_a_header_entry_with_bad_offsets(tmp_path):
+    d = _tiny(tmp_path)
+    path = d / "model-00001-of-000004.safetensors"
+    blob = bytearray(path.read_bytes())
+    (n,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8:8 + n])
+    name = next(k for k in header if k != "__metadata__")
+    header[name]["data_offsets"] = ["0", "8"]
+    text = json.dumps(header, separators=(",", ":")).encode()
+    blob[8:8 + n] = text + b" " * (n - len(text))              # same length: the data stay in place
+    path.write_bytes(bytes(blob))
+    with pytest.raises(CheckpointError, match=rf"corrupt safetensors header entry for tensor {re.escape(name)}"):
+        Checkpoint(d)
+
+
 # --- the converter's dry run at real size (CI) ------------------------------------------------
 
 def test_dry_run_on_the_real_k3(real_k3, tmp_path):
@@ -271,9 +317,8 @@ def test_estimate_matches_a_measured_conversion(tmp_path):
     estimate = plan.peak_ram_estimate
     if not _direct_io(out):
         estimate -= min(WRITE_BUFFERS, plan.total_bytes)    # buffered writes: no staging buffers
-    # the model's figures are measured ones: it lands within 10% below to 5% above the real peak
+    # the model's figures are measured ones: the real peak lies from 10% below to 5% above it
     assert 0.90 * estimate <= peak <= 1.05 * estimate, (peak / MiB, estimate / MiB)
-    assert estimate - plan.planning_ram_estimate >= min(WRITE_BUFFERS, plan.total_bytes) - 1
 
 
 @pytest.fixture(scope="module")

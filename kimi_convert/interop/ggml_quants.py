@@ -33,7 +33,8 @@ def ggml_base_path() -> Path:
     try:
         version = importlib.metadata.version("llama_cpp_python")
     except importlib.metadata.PackageNotFoundError:
-        raise InteropUnavailable(f"llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} is not installed: {INSTALL_HINT}") from None
+        raise InteropUnavailable(
+            f"llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} is not installed: {INSTALL_HINT}") from None
     if version != LLAMA_CPP_PYTHON_VERSION:
         raise InteropUnavailable(f"llama-cpp-python is {version}, need {LLAMA_CPP_PYTHON_VERSION}: {INSTALL_HINT}")
     spec = importlib.util.find_spec("llama_cpp")

@@ -10,11 +10,14 @@ guessed (docs/verification.md §8).
 
 The callback asks for every matmul node, so the scheduler evaluates the graph one matmul at a time; the nodes
 and their arithmetic are the same (the test checks that the logits equal llama_cpp_logits' bit for bit).
+The load log also says which weights llama.cpp repacked into its CPU_REPACK buffer (other kernels run on them,
+kimi_convert/ggml_cpu.py `is_repacked`): `LlamaCppTrace.repacked`.
 """
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
@@ -51,6 +54,10 @@ class MatmulInput:
 class LlamaCppTrace:
     inputs: dict[str, list[MatmulInput]]    # weight tensor name -> its matmul nodes, in graph order
     logits: np.ndarray                      # [T, n_vocab]
+    repacked: set[str] = field(default_factory=set)   # weights in the CPU_REPACK buffer (repack.cpp's debug log)
+
+
+_REPACK_LOG = re.compile(r"repack tensor (\S+) with")
 
 
 def _read(t: GgmlTensor, dtype) -> np.ndarray:
@@ -124,7 +131,8 @@ def llama_cpp_matmul_inputs(gguf_path, token_ids: Sequence[int], n_ctx: int = 25
             llama_cpp.llama_model_free(model)
         if errors:
             raise InteropError(f"reading llama.cpp's matmul inputs failed: {errors[0]}")
-    return LlamaCppTrace(inputs, logits)
+    repacked = {m.group(1) for _, text in lines for m in _REPACK_LOG.finditer(text)}
+    return LlamaCppTrace(inputs, logits, repacked)
 
 
 def _decode_all(llama_cpp, ctx, model, ids: list[int]) -> np.ndarray:

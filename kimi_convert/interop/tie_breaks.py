@@ -14,7 +14,11 @@ matmul inputs (kimi_convert.interop.llama_cpp_trace) and, for every input the ru
 * where the rounded values agree, it changes nothing;
 * where they differ but the two f32 inputs agree to `rel_tol` of that row's largest magnitude, the runtime takes
   llama.cpp's f32 values for those elements (the element for bf16/f16, the whole block for Q8_0/Q8_K), so that
-  both go on with the same rounded input; each case is recorded in `adopted`;
+  both go on with the same rounded input; each case is recorded in `adopted`, as a "code" tie break (an element
+  rounded to another code) or a "scale" one (the same codes, another block scale: Q8_K keeps 1/iscale in f32,
+  so a last-bit difference of the block's largest element passes into every value of the block; Q8_1's block
+  sum s = fp16(d * sum q) takes the unrounded d); with `adopt`
+  restricted to some kinds, the others are only listed (`declined`);
 * where they differ by more, nothing is adopted and the case is recorded in `mismatches` (a real difference).
 
 Every matmul input of every position is checked, so the comparison can hold a tight bound at all positions.
@@ -24,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-from .. import ggml_cpu
+from .. import ggml_cpu, ggml_cpu_quant
 from ..gguf_io import GGUFFile
 from .llama_cpp_trace import LlamaCppTrace
 
@@ -40,11 +44,13 @@ class TieBreak:
     ours: float
     theirs: float
     rel_diff: float       # max |ours - theirs| / max |theirs| over that row
+    kind: str = "code"    # "code": an element rounds to another code; "scale": same codes, another block scale
 
     def __str__(self) -> str:
         a, b = np.float32(self.ours), np.float32(self.theirs)
-        return (f"position {self.position} {self.tensor}[{self.element}]: {a!r} (0x{int(a.view(np.uint32)):08x}) "
-                f"here, {b!r} (0x{int(b.view(np.uint32)):08x}) in llama.cpp, row rel. diff {self.rel_diff:.1e}")
+        return (f"position {self.position} {self.tensor}[{self.element}] ({self.kind}): {a!r} "
+                f"(0x{int(a.view(np.uint32)):08x}) here, {b!r} (0x{int(b.view(np.uint32)):08x}) in llama.cpp, "
+                f"row rel. diff {self.rel_diff:.1e}")
 
 
 @dataclass
@@ -54,7 +60,9 @@ class LlamaCppTieBreaks:
     target: str
     trace: LlamaCppTrace
     rel_tol: float
+    adopt: tuple[str, ...] = ("code", "scale")    # the kinds taken from llama.cpp; the others are only listed
     adopted: list[TieBreak] = field(default_factory=list)
+    declined: list[TieBreak] = field(default_factory=list)
     mismatches: list[TieBreak] = field(default_factory=list)
     max_rel_diff: np.ndarray | None = None        # [T]: max over all rounded matmul inputs, per position
     checked: set[str] = field(default_factory=set)  # the tensors whose inputs were compared
@@ -62,7 +70,7 @@ class LlamaCppTieBreaks:
 
     def __call__(self, name: str, key, x: np.ndarray) -> np.ndarray:
         qtype = self.gf.tensors[name].qtype
-        block = ggml_cpu.rounding_block_size(qtype)
+        block = ggml_cpu.rounding_block_size(qtype, self.target)
         if block == 0:                            # F32 weights: nothing is rounded
             return x
         nodes = self.trace.inputs.get(name)
@@ -91,23 +99,39 @@ class LlamaCppTieBreaks:
         scale = np.maximum(np.abs(theirs).max(-1), F32(1e-30))                       # [T]
         rel = (np.abs(ours - theirs).max(-1) / scale).astype(np.float64)
         self._note(positions, rel)
-        same = ggml_cpu.vec_dot_input(ours, qtype, self.target) == ggml_cpu.vec_dot_input(theirs, qtype, self.target)
+        same = ggml_cpu.same_conversion(ours, theirs, qtype, self.target)
         if same.all():
             return ours
+        codes_ours, codes_theirs = _codes(ours, qtype, self.target, block), _codes(theirs, qtype, self.target, block)
         out = ours.copy()
         blocks = (~same).reshape(n_tok, k // block, block).any(-1)                    # [T, nb]
         for t, b in zip(*np.nonzero(blocks)):
             sl = slice(b * block, (b + 1) * block)
             j = b * block + int(np.argmax(np.abs(ours[t, sl] - theirs[t, sl])))     # the most different element
-            tie = TieBreak(positions[t], label, j, float(ours[t, j]), float(theirs[t, j]), float(rel[t]))
-            if rel[t] <= self.rel_tol:
+            kind = "scale" if block > 1 and np.array_equal(codes_ours[t, b], codes_theirs[t, b]) else "code"
+            tie = TieBreak(positions[t], label, j, float(ours[t, j]), float(theirs[t, j]), float(rel[t]), kind)
+            if rel[t] > self.rel_tol:
+                self.mismatches.append(tie)
+            elif kind in self.adopt:
                 out[t, sl] = theirs[t, sl]
                 self.adopted.append(tie)
             else:
-                self.mismatches.append(tie)
+                self.declined.append(tie)
         return out
+
+    def count(self, kind: str) -> int:
+        return sum(t.kind == kind for t in self.adopted)
 
     def _note(self, positions, rel) -> None:
         if self.max_rel_diff is None:
             self.max_rel_diff = np.zeros(self.trace.logits.shape[0])
         np.maximum.at(self.max_rel_diff, positions, rel)
+
+
+def _codes(x: np.ndarray, qtype, target: str, block: int) -> np.ndarray:
+    """[T, n_blocks, block] the integer codes of x's vec_dot conversion (the values themselves for bf16/f16)."""
+    if block == 1:
+        return ggml_cpu.vec_dot_input(x, qtype, target)[..., None]
+    if block == ggml_cpu.Q8_0_BLOCK:
+        return ggml_cpu.quantize_q8_0(x, target)[0]
+    return ggml_cpu_quant.quantize_q8_k(x)[0]

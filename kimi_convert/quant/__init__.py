@@ -6,8 +6,8 @@ the policy and planning modules load without numba.
 """
 from __future__ import annotations
 
-_BLOCKS_API = ("BlockType", "InvalidBlockError", "block_type", "dequantize", "quantize", "row_size",
-               "supported_types", "validate_blocks")
+_BLOCKS_API = ("BlockType", "InvalidBlockError", "block_type", "default_threads", "dequantize", "quantize",
+               "row_size", "supported_types", "validate_blocks")
 
 
 def __getattr__(name):

@@ -8,9 +8,11 @@ IQ4_NL and IQ4_XS always run ``quantize_row_iq4_nl_impl`` with ntry=7 (weights x
 """
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
 from typing import Callable, ClassVar
 
-import numba
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 from gguf import quants as _gguf_quants
@@ -21,6 +23,7 @@ _REGISTRY: dict[QT, type["BlockType"]] = {}
 
 
 class BlockType:
+    """A ggml type: its block geometry, the ggml functions it mirrors and the kernels that do so."""
     qtype: ClassVar[QT]
     block_size: ClassVar[int]
     type_size: ClassVar[int]
@@ -46,18 +49,36 @@ class BlockType:
         return n_per_row // cls.block_size * cls.type_size
 
     @classmethod
-    def quantize_rows(cls, x: np.ndarray, imatrix: np.ndarray | None) -> np.ndarray:
-        """x: float32 [n_rows, n_per_row], C-contiguous, n_per_row a multiple of block_size (checked by the caller)."""
+    def quantize_rows(cls, x: np.ndarray, imatrix: np.ndarray | None, threads: int) -> np.ndarray:
+        """x: float32 [n_rows, n_per_row], C-contiguous, n_per_row a multiple of block_size (checked by the
+        caller). The rows are cut into ``threads`` contiguous ranges, quantized at once (the kernels drop the GIL)."""
         out = np.empty((x.shape[0], cls.row_size(x.shape[1])), np.uint8)
         if imatrix is not None and cls._impl is not None:
-            cls._impl(x, imatrix, out)
+            def run(a, b):
+                cls._impl(x[a:b], imatrix, out[a:b])
         else:
-            cls._ref(x, cls._out_view(out))
+            def run(a, b):
+                cls._ref(x[a:b], cls._out_view(out[a:b]))
+        bounds = np.linspace(0, x.shape[0], max(1, min(threads, x.shape[0])) + 1).astype(int)
+        if len(bounds) == 2:
+            run(0, x.shape[0])
+        else:
+            list(_pool(len(bounds) - 1).map(run, bounds[:-1], bounds[1:]))
         return out
 
     @classmethod
     def _out_view(cls, out: np.ndarray) -> np.ndarray:
         return out
+
+
+@lru_cache(maxsize=None)
+def _pool(threads: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(threads, thread_name_prefix="kimi-quant")
+
+
+def default_threads() -> int:
+    """The CPUs this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 # --- float types: conversions, not block quantizers (ggml_quantize_chunk's F32/F16/BF16 cases) ---
@@ -66,7 +87,7 @@ class F32(BlockType, qtype=QT.F32):
     mirrors = "memcpy"
 
     @classmethod
-    def quantize_rows(cls, x, imatrix):
+    def quantize_rows(cls, x, imatrix, threads):
         return x.view(np.uint8).copy()
 
 
@@ -110,6 +131,22 @@ class Q5_0(BlockType, qtype=QT.Q5_0):
     scale_offsets = (0,)
     _ref = staticmethod(kernels.q5_0_ref_rows)
     _impl = staticmethod(kernels.q5_0_impl_rows)
+
+
+class Q4_1(BlockType, qtype=QT.Q4_1):
+    mirrors = "quantize_row_q4_1_ref"
+    mirrors_imatrix = "quantize_row_q4_1_impl"
+    scale_offsets = (0, 2)  # d, m
+    _ref = staticmethod(kernels.q4_1_ref_rows)
+    _impl = staticmethod(kernels.q4_1_impl_rows)
+
+
+class Q5_1(BlockType, qtype=QT.Q5_1):
+    mirrors = "quantize_row_q5_1_ref"
+    mirrors_imatrix = "quantize_row_q5_1_impl"
+    scale_offsets = (0, 2)  # d, m
+    _ref = staticmethod(kernels.q5_1_ref_rows)
+    _impl = staticmethod(kernels.q5_1_impl_rows)
 
 
 class IQ4_NL(BlockType, qtype=QT.IQ4_NL):
@@ -205,7 +242,9 @@ def quantize(values: np.ndarray, qtype: QT, imatrix: np.ndarray | None = None, *
     """float32 [n_rows, n_per_row] -> uint8 [n_rows, row_size]: ggml_quantize_chunk's bytes for these rows.
 
     ``imatrix``: float32 [n_per_row] importance weights (one per column), or None. As in ggml it selects the
-    ``_impl`` quantizer of the types that have one and is ignored by Q8_0 and the float types."""
+    ``_impl`` quantizer of the types that have one and is ignored by Q8_0 and the float types.
+    ``threads``: rows are quantized on this many threads (default: the CPUs available); the bytes do not
+    depend on it. Safe to call from several threads at once."""
     bt = block_type(qtype)
     x = np.ascontiguousarray(values, dtype=np.float32)
     if x.ndim != 2:
@@ -216,14 +255,9 @@ def quantize(values: np.ndarray, qtype: QT, imatrix: np.ndarray | None = None, *
         qw = np.ascontiguousarray(imatrix, dtype=np.float32)
         if qw.shape != (x.shape[1],):
             raise ValueError(f"{bt.qtype.name}: imatrix has shape {qw.shape}, rows have {x.shape[1]} columns")
-    if threads is None:
-        return bt.quantize_rows(x, qw)
-    before = numba.get_num_threads()
-    numba.set_num_threads(threads)
-    try:
-        return bt.quantize_rows(x, qw)
-    finally:
-        numba.set_num_threads(before)
+    if threads is not None and threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    return bt.quantize_rows(x, qw, threads or default_threads())
 
 
 def dequantize(data: np.ndarray, qtype: QT) -> np.ndarray:
@@ -232,7 +266,8 @@ def dequantize(data: np.ndarray, qtype: QT) -> np.ndarray:
     data = np.ascontiguousarray(data, dtype=np.uint8)
     if data.shape[-1] % bt.type_size:
         raise ValueError(f"{bt.qtype.name}: {data.shape[-1]} bytes per row is not a multiple of {bt.type_size}")
-    return np.asarray(_gguf_quants.dequantize(data, bt.qtype), dtype=np.float32)
+    out = np.asarray(_gguf_quants.dequantize(data, bt.qtype), dtype=np.float32)
+    return out.copy() if np.shares_memory(out, data) else out  # F32 comes back as a view of the input
 
 
 def validate_blocks(data: np.ndarray, qtype: QT) -> None:

@@ -34,7 +34,8 @@ SKIPPED_KEYS = ("GGUF.", "split.")
 # llama-quantize's file type for a default type (tools/quantize: "Q4_K" is Q4_K_M, "Q3_K" Q3_K_M, ...)
 FILE_TYPE = {
     QT.F32: LlamaFileType.ALL_F32, QT.F16: LlamaFileType.MOSTLY_F16, QT.BF16: LlamaFileType.MOSTLY_BF16,
-    QT.Q8_0: LlamaFileType.MOSTLY_Q8_0, QT.Q4_0: LlamaFileType.MOSTLY_Q4_0, QT.Q5_0: LlamaFileType.MOSTLY_Q5_0,
+    QT.Q8_0: LlamaFileType.MOSTLY_Q8_0, QT.Q4_0: LlamaFileType.MOSTLY_Q4_0, QT.Q4_1: LlamaFileType.MOSTLY_Q4_1,
+    QT.Q5_0: LlamaFileType.MOSTLY_Q5_0, QT.Q5_1: LlamaFileType.MOSTLY_Q5_1,
     QT.Q2_K: LlamaFileType.MOSTLY_Q2_K, QT.Q3_K: LlamaFileType.MOSTLY_Q3_K_M, QT.Q4_K: LlamaFileType.MOSTLY_Q4_K_M,
     QT.Q5_K: LlamaFileType.MOSTLY_Q5_K_M, QT.Q6_K: LlamaFileType.MOSTLY_Q6_K,
     QT.IQ4_NL: LlamaFileType.MOSTLY_IQ4_NL, QT.IQ4_XS: LlamaFileType.MOSTLY_IQ4_XS,
@@ -144,24 +145,40 @@ def chunks(d: Decision, t: GGUFTensor, imatrix: np.ndarray | None) -> Iterator:
     if d.copied:
         yield from iter_chunks_of(t)
         return
+    stored = t.raw.reshape(-1, t.raw.shape[-1])        # one stored row per row, values or block bytes
+    for _, _, q in quantize_rows(d, lambda a, b: dequantize(stored[a:b], t.qtype), imatrix):
+        yield q
+
+
+def row_chunks(shape: tuple[int, ...]) -> Iterator[tuple[int, int, int]]:
+    """(matrix, first row, end row) over the rows of a tensor of numpy `shape` (rows counted across its
+    matrices): whole rows, at most CHUNK_VALUES values, never across a matrix (an expert), as llama-quantize."""
+    n_per_row = shape[-1]
+    rows_per_mat = shape[-2] if len(shape) > 1 else 1
+    n_mats = int(np.prod(shape[:-2], dtype=np.int64)) if len(shape) > 2 else 1
+    step = max(1, CHUNK_VALUES // n_per_row)
+    for e in range(n_mats):
+        for a in range(e * rows_per_mat, (e + 1) * rows_per_mat, step):
+            yield e, a, min(a + step, (e + 1) * rows_per_mat)
+
+
+def quantize_rows(d: Decision, rows: Callable[[int, int], np.ndarray], imatrix: np.ndarray | None
+                  ) -> Iterator[tuple[int, int, np.ndarray]]:
+    """(first row, end row, bytes) of tensor `d` quantized to d.target from the values `rows(a, b)` gives,
+    chunk by chunk (row_chunks), each matrix with its slice of the imatrix vector, and validated as
+    llama-quantize's ggml_validate_row_data check does. kimi-verify recomputes a file's blocks through this."""
     from .blocks import InvalidBlockError, quantize, validate_blocks     # noqa: PLC0415
     n_per_row = d.shape[-1]
-    rows_per_mat = d.shape[-2] if len(d.shape) > 1 else 1
-    n_mats = int(np.prod(d.shape[:-2], dtype=np.int64)) if len(d.shape) > 2 else 1
-    stored = t.raw.reshape(n_mats * rows_per_mat, -1)     # one stored row per row, values or block bytes
-    step = max(1, CHUNK_VALUES // n_per_row)
-    for e in range(n_mats):                             # a chunk never crosses an expert (llama-quantize)
+    for e, a, b in row_chunks(d.shape):
         weights = None if imatrix is None else imatrix[e * n_per_row:(e + 1) * n_per_row]
-        for a in range(e * rows_per_mat, (e + 1) * rows_per_mat, step):
-            b = min(a + step, (e + 1) * rows_per_mat)
-            x = np.asarray(dequantize(stored[a:b], t.qtype), dtype=np.float32).reshape(b - a, n_per_row)
-            q = quantize(x, d.target, weights)
-            try:
-                validate_blocks(q, d.target)
-            except InvalidBlockError as err:      # as llama-quantize's ggml_validate_row_data check
-                raise QuantizeError(f"{d.name}: rows {a}-{b - 1} quantize to invalid {d.target.name} data "
-                                    f"({err}); is the source finite?") from None
-            yield q
+        x = np.asarray(rows(a, b), dtype=np.float32).reshape(b - a, n_per_row)
+        q = quantize(x, d.target, weights)
+        try:
+            validate_blocks(q, d.target)
+        except InvalidBlockError as err:      # as llama-quantize's ggml_validate_row_data check
+            raise QuantizeError(f"{d.name}: rows {a}-{b - 1} quantize to invalid {d.target.name} data "
+                                f"({err}); is the source finite?") from None
+        yield a, b, q
 
 
 # ------------------------------------------------------------------------------------

@@ -1,25 +1,36 @@
-"""Numba primitives that ggml's block quantizers share (ggml/src/ggml-quants.c, ggml-impl.h), bit for bit.
+"""ggml's block quantizers (ggml/src/ggml-quants.c, ggml-impl.h, ggml.c) in numba, bit for bit.
+
+Every ``<type>_rows(x, [qw,] out)`` fills ``out[r]`` with the bytes ggml writes for row ``x[r]``
+(float32 [n_rows, n_per_row] -> uint8 [n_rows, row bytes]; ``qw`` the importance weights of the columns).
+The kernels release the GIL (``nogil``); ``blocks`` runs row ranges on threads. All of them live in this one
+module because numba's cache is keyed on the source of the file that defines a function, not on the files
+of the functions it calls: split over modules, an edit to a shared helper would leave stale compiled callers.
 
 Rules that keep the bytes equal to ggml's:
 
-* float32 everywhere, each expression evaluated in the order ggml writes it (``w*x*l`` is ``(w*x)*l``),
-  sums sequential. Every integer that meets a float is converted with ``F32(...)`` first: numba would
-  otherwise promote the operation to float64, where C converts the int to float.
+* float32 everywhere, each expression evaluated in the order ggml writes it (``w*x*l`` is ``(w*x)*l``), sums
+  sequential. Every integer that meets a float is converted with ``F32(...)`` first: numba would otherwise
+  promote the operation to float64, where C converts the int to float. (``nearest_int`` only accepts float32,
+  so a stray float64 there fails to compile.)
 * No fastmath: without it numba marks no float operation ``contract``/``reassoc``, so LLVM neither fuses
   ``a*b+c`` into an FMA nor reorders sums. That matches ggml-base as llama-cpp-python builds it: ggml-quants.c
   is compiled with -O3 and no -march (the ISA flags go to ggml-cpu only), i.e. for baseline x86-64 with SSE2,
   which has no FMA instruction, so GCC's default -ffp-contract=fast has nothing to contract (objdump of
-  libggml-base.so shows no vfmadd and no VEX-encoded instruction at all).
+  libggml-base.so shows no vfmadd and no VEX-encoded instruction at all). A build of ggml-base with FMA
+  enabled (or aarch64 GCC, which contracts by default) could round differently; the tests would show it.
+* Where ggml sums products in a loop, the products are formed in one loop (which LLVM vectorizes) and summed
+  in order in a second: the same float32 operations, 2-4x faster than one loop.
 * ``error_model="numpy"``: division by zero gives inf/nan as in C instead of raising.
 * C truth tests on floats (``d ? 1/d : 0``) are ``!= 0`` tests, true for NaN, and ``MAX(a, b)`` is
-  ``a > b ? a : b``: both are written out as such so NaN input flows the same way.
+  ``a > b ? a : b``: both are written out as such so NaN input flows the same way. Float-to-int conversions
+  of NaN give INT_MIN on x86, in C and here alike.
 * Stores into ggml's ``uint8_t``/``int8_t`` fields wrap modulo 256, as C does.
 """
 from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import njit, types
 from numba.extending import intrinsic
 
 F32 = np.float32
@@ -29,6 +40,7 @@ _FP16_SCALE_TO_INF = F32(2.0**112)
 _FP16_SCALE_TO_ZERO = F32(2.0**-110)
 _FP16_EXP_SCALE = F32(2.0**-112)
 _HALF = F32(0.5)
+_FLT_MAX = F32(np.finfo(np.float32).max)
 
 # kvalues_iq4nl (ggml-common.h), as float32 so that `x - value` is computed in float as in C
 KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
@@ -37,7 +49,6 @@ JIT = dict(cache=True, error_model="numpy", nogil=True)
 # small helpers are inlined at numba level: numba compiles each function into its own LLVM module and the
 # calls between them are not inlined by LLVM, which cost up to 2.5x in the 32-block kernels
 INLINE = dict(JIT, inline="always")
-PAR = dict(JIT, parallel=True)
 QK_K = 256
 NO_WEIGHTS = np.zeros(0, np.float32)  # stands for quant_weights == NULL
 
@@ -124,7 +135,7 @@ def get_fp16(buf, pos):
 @njit(**INLINE)
 def roundf(v):
     """C roundf (half away from zero) of a float32; in float64, where |v| + 0.5 is exact."""
-    a = np.rint(abs(np.float64(v)))
+    a = np.floor(abs(np.float64(v)) + 0.5)
     return -a if v < 0 else a
 
 
@@ -156,7 +167,7 @@ def abs_max(x, o, n):
     return amax, mx
 
 
-@njit(**INLINE)
+@njit(**JIT)
 def make_qx_quants(n, nmax, x, xo, L, lo, w, wo, tmp):
     """make_qx_quants(n, nmax, x, L, rmse_type=1, qw) with explicit weights w[wo:wo+n] (ggml passes x*x
     for qw == NULL, which callers put into w). Writes L[lo:lo+n] in [0, 2*nmax), returns the scale.
@@ -205,7 +216,7 @@ def _qx_sums(n, nmax, x, xo, w, wo, tmp, iscale):
     return sumlx, suml2
 
 
-@njit(**INLINE)
+@njit(**JIT)
 def make_q3_quants(n, nmax, x, xo, L, lo):
     """make_q3_quants(n, nmax, x, L, do_rmse=true): weights x*x, up to 5 rounds of coordinate descent.
     L is int8 (ggml's int8_t L[]); writes L[lo:lo+n] in [0, 2*nmax) (all 0 for a zero group)."""
@@ -251,7 +262,7 @@ def make_q3_quants(n, nmax, x, xo, L, lo):
     return sumlx / suml2 if suml2 > 0 else F32(0.0)
 
 
-@njit(**INLINE)
+@njit(**JIT)
 def make_qkx_quants(n, nmax, x, xo, w, L, lo, Laux, rmin, rdelta, nstep, use_mad, tmp):
     """make_qkx2_quants and make_qkx3_quants (with weights): they differ only in the degenerate test
     (max == min vs max <= min), which cannot tell apart once min is clamped to <= 0 -- min <= x[0] <= max.
@@ -319,6 +330,8 @@ def make_qkx_quants(n, nmax, x, xo, w, L, lo, Laux, rmin, rdelta, nstep, use_mad
                 best_error = cur_error
                 scale = this_scale
                 mn = this_min  # ggml's later candidates are taken relative to this new min
+                for i in range(n):
+                    tmp[i] = x[xo + i] - mn
     return scale, -mn
 
 
@@ -334,7 +347,7 @@ def _qkx_error(n, x, xo, w, Lq, scale, mn, use_mad, tmp):
     return err
 
 
-@njit(**INLINE)
+@njit(**JIT)
 def make_qp_quants(n, nmax, x, L, qw):
     """make_qp_quants(n, nmax, x, L, quant_weights): unsigned levels for the sub-block scales/mins of the
     imatrix K-quants. L is uint8 as in ggml, so a negative nearest_int wraps and is used wrapped."""
@@ -398,19 +411,16 @@ def make_qp_quants(n, nmax, x, L, qw):
 
 
 # ====================================================================================================
-# 32-element blocks: Q8_0, Q4_0, Q5_0; float conversions F16, BF16
-
+# 32-element blocks: Q8_0, Q4_0, Q5_0, Q4_1, Q5_1; float conversions F16, BF16
 # ====================================================================================================
 
-# Row kernels of the 32-element block types Q8_0, Q4_0, Q5_0, and the float conversions (ggml-quants.c, ggml.c).
-#
-# Each ``*_rows(x, [qw,] out)`` fills ``out[r]`` with the bytes of row ``x[r]``; rows run in parallel (``prange``).
+# Q8_0/Q4_0/Q5_0 blocks are 32 values with one fp16 scale d; the float types are ggml's row conversions.
 
-@njit(**PAR)
+@njit(**JIT)
 def q8_0_rows(x, out):
     """quantize_row_q8_0_ref: d = amax/127, q = roundf(x/d) with the float32 (unrounded) 1/d."""
     n_rows, n = x.shape
-    for r in prange(n_rows):
+    for r in range(n_rows):
         xr = x[r]
         y = out[r]
         for ib in range(n // 32):
@@ -441,62 +451,48 @@ def _q4_0_ref_block(xr, o, y, p):
         y[p + 2 + j] = np.uint8((q0 | (q1 << 4)) & 0xFF)
 
 
-@njit(**PAR)
+@njit(**JIT)
 def q4_0_ref_rows(x, out):
     """quantize_row_q4_0_ref: d = max/-8 (signed max), q = min(15, trunc(x/d + 8.5))."""
     n_rows, n = x.shape
-    for r in prange(n_rows):
+    for r in range(n_rows):
         for ib in range(n // 32):
             _q4_0_ref_block(x[r], 32 * ib, out[r], 18 * ib)
 
 
+@njit(**INLINE)
+def _put_4bit(y, p, L):
+    """Q4_0/Q4_1 packing of levels L[0:32] (0..15): y[p+j] = L[j] | L[j+16] << 4, 16 bytes."""
+    for j in range(16):
+        y[p + j] = (np.int64(L[j]) | (np.int64(L[j + 16]) << 4)) & 0xFF
+
+
 @njit(**JIT)
 def _row_sigma2(xr):
-    """sum(x^2)/n_per_row over the whole row (quantize_row_q4_0_impl / q5_0_impl)."""
+    """sum(x^2)/n_per_row over the whole row (quantize_row_q4_0_impl, q5_0_impl, q4_1_impl, q5_1_impl)."""
     return sum_sq(xr, 0, xr.shape[0]) / F32(xr.shape[0])
 
 
-@njit(**PAR)
-def q4_0_impl_rows(x, qw, out):
-    """quantize_row_q4_0_impl: weights qw*sqrt(sigma2 + x^2), make_qx_quants(32, 8); no requantization."""
-    n_rows, n = x.shape
-    for r in prange(n_rows):
-        xr = x[r]
-        y = out[r]
-        sigma2 = _row_sigma2(xr)
-        w = np.empty(32, np.float32)
-        L = np.empty(32, np.int8)
-        tmp = np.empty(96, np.float32)
-        for ib in range(n // 32):
-            o = 32 * ib
-            for j in range(32):
-                w[j] = qw[o + j] * np.sqrt(sigma2 + xr[o + j] * xr[o + j])
-            d = make_qx_quants(32, 8, xr, o, L, 0, w, 0, tmp)
-            p = 18 * ib
-            put_fp16(y, p, d)
-            for j in range(16):
-                y[p + 2 + j] = (L[j] | (L[j + 16] << 4)) & 0xFF
-
-
 @njit(**INLINE)
-def _put_q5_0(y, p, L):
-    """Q5_0 packing of levels L[0:32] (0..31): low nibbles in qs, bit 4 of element j in bit j of qh."""
+def _put_5bit(y, p, L):
+    """Q5_0/Q5_1 packing of levels L[0:32] (0..31): qh (u32, bit j = bit 4 of element j) at y[p:p+4], then
+    qs[j] = low nibble of element j | low nibble of element j+16 << 4 at y[p+4:p+20]."""
     qh = 0
     for j in range(16):
         a = np.int64(L[j])
         b = np.int64(L[j + 16])
-        y[p + 6 + j] = ((a & 0x0F) | ((b & 0x0F) << 4)) & 0xFF
+        y[p + 4 + j] = ((a & 0x0F) | ((b & 0x0F) << 4)) & 0xFF
         qh |= ((a & 0x10) >> 4) << j
         qh |= ((b & 0x10) >> 4) << (j + 16)
     for k in range(4):
-        y[p + 2 + k] = (qh >> (8 * k)) & 0xFF
+        y[p + k] = (qh >> (8 * k)) & 0xFF
 
 
-@njit(**PAR)
+@njit(**JIT)
 def q5_0_ref_rows(x, out):
     """quantize_row_q5_0_ref: d = max/-16, q = min(31, trunc(x/d + 16.5))."""
     n_rows, n = x.shape
-    for r in prange(n_rows):
+    for r in range(n_rows):
         xr = x[r]
         y = out[r]
         L = np.empty(32, np.int64)
@@ -509,14 +505,16 @@ def q5_0_ref_rows(x, out):
             put_fp16(y, p, d)
             for j in range(32):
                 L[j] = min(31, as_int8(np.int64(xr[o + j] * idd + F32(16.5)))) & 0xFF  # (uint8_t)MIN(31, (int8_t)..)
-            _put_q5_0(y, p, L)
+            _put_5bit(y, p + 2, L)
 
 
-@njit(**PAR)
-def q5_0_impl_rows(x, qw, out):
-    """quantize_row_q5_0_impl: as q4_0_impl with make_qx_quants(32, 16)."""
+@njit(**JIT)
+def _q_0_impl_rows(x, qw, out, nmax):
+    """quantize_row_q4_0_impl (nmax 8) / q5_0_impl (nmax 16): weights qw*sqrt(sigma2 + x^2),
+    make_qx_quants(32, nmax); no requantization."""
     n_rows, n = x.shape
-    for r in prange(n_rows):
+    block_bytes = 18 if nmax == 8 else 22
+    for r in range(n_rows):
         xr = x[r]
         y = out[r]
         sigma2 = _row_sigma2(xr)
@@ -527,45 +525,146 @@ def q5_0_impl_rows(x, qw, out):
             o = 32 * ib
             for j in range(32):
                 w[j] = qw[o + j] * np.sqrt(sigma2 + xr[o + j] * xr[o + j])
-            d = make_qx_quants(32, 16, xr, o, L, 0, w, 0, tmp)
-            p = 22 * ib
+            d = make_qx_quants(32, nmax, xr, o, L, 0, w, 0, tmp)
+            p = block_bytes * ib
             put_fp16(y, p, d)
-            _put_q5_0(y, p, L)
+            if nmax == 8:
+                _put_4bit(y, p + 2, L)
+            else:
+                _put_5bit(y, p + 2, L)
 
 
-@njit(**PAR)
+@njit(**JIT)
+def q4_0_impl_rows(x, qw, out):
+    _q_0_impl_rows(x, qw, out, 8)
+
+
+@njit(**JIT)
+def q5_0_impl_rows(x, qw, out):
+    _q_0_impl_rows(x, qw, out, 16)
+
+
+# Q4_1/Q5_1 blocks are 32 values with an fp16 scale d and an fp16 minimum m (value = d*q + m, q unsigned):
+# block_q4_1: d, m, qs[16]; block_q5_1: d, m, qh (u32), qs[16].
+
+@njit(**JIT)
+def _q_1_ref_rows(x, out, nmax):
+    """quantize_row_q4_1_ref (nmax 15) / q5_1_ref (nmax 31): min and max of the block (from FLT_MAX and
+    -FLT_MAX, strict compares, so NaN is passed over), d = (max - min)/nmax, fp16 d and m = min stored, and
+    q = trunc((x - min)*id + 0.5) with the float32 (unrounded) id = 1/d (0 if d is 0); Q4_1 takes
+    MIN(15, (int8_t)q), Q5_1 (uint8_t)q unclamped (a 32 would wrap in the bit fields, as in C)."""
+    n_rows, n = x.shape
+    block_bytes = 20 if nmax == 15 else 24
+    L = np.empty(32, np.int64)
+    for r in range(n_rows):
+        xr = x[r]
+        y = out[r]
+        for ib in range(n // 32):
+            o = 32 * ib
+            mn = _FLT_MAX
+            mx = -_FLT_MAX
+            for j in range(32):
+                v = xr[o + j]
+                if v < mn:
+                    mn = v
+                if v > mx:
+                    mx = v
+            d = (mx - mn) / F32(nmax)
+            idd = F32(1.0) / d if d != 0 else F32(0.0)
+            p = block_bytes * ib
+            put_fp16(y, p, d)
+            put_fp16(y, p + 2, mn)
+            for j in range(32):
+                # np.int32 is C's float -> int conversion (NaN and inf give INT_MIN on x86, low byte 0, in C and
+                # here alike); the int8_t / uint8_t casts then wrap
+                q = np.int64(np.int32((xr[o + j] - mn) * idd + _HALF))
+                L[j] = (min(15, as_int8(q)) if nmax == 15 else q) & 0xFF
+            if nmax == 15:
+                _put_4bit(y, p + 4, L)
+            else:
+                _put_5bit(y, p + 4, L)
+
+
+@njit(**JIT)
+def q4_1_ref_rows(x, out):
+    _q_1_ref_rows(x, out, 15)
+
+
+@njit(**JIT)
+def q5_1_ref_rows(x, out):
+    _q_1_ref_rows(x, out, 31)
+
+
+@njit(**JIT)
+def _q_1_impl_rows(x, qw, out, nmax):
+    """quantize_row_q4_1_impl (nmax 15) / q5_1_impl (nmax 31): weights qw*sqrt(sigma2 + x^2) with sigma2 over
+    the whole row, make_qkx3_quants(32, nmax, rmin -0.9, rdelta 0.05, 36 steps, mad=false), fp16 d and
+    m = -the_min stored, the levels of the search packed: no requantization with the rounded scales."""
+    n_rows, n = x.shape
+    block_bytes = 20 if nmax == 15 else 24
+    L = np.empty(32, np.uint8)
+    Laux = np.empty(32, np.uint8)
+    w = np.empty(32, np.float32)
+    tmp = np.empty(160, np.float32)
+    for r in range(n_rows):
+        xr = x[r]
+        y = out[r]
+        sigma2 = _row_sigma2(xr)
+        for ib in range(n // 32):
+            o = 32 * ib
+            for j in range(32):
+                w[j] = qw[o + j] * np.sqrt(sigma2 + xr[o + j] * xr[o + j])
+            d, the_min = make_qkx_quants(32, nmax, xr, o, w, L, 0, Laux, F32(-0.9), F32(0.05), 36, False, tmp)
+            p = block_bytes * ib
+            put_fp16(y, p, d)
+            put_fp16(y, p + 2, -the_min)
+            if nmax == 15:
+                _put_4bit(y, p + 4, L)
+            else:
+                _put_5bit(y, p + 4, L)
+
+
+@njit(**JIT)
+def q4_1_impl_rows(x, qw, out):
+    _q_1_impl_rows(x, qw, out, 15)
+
+
+@njit(**JIT)
+def q5_1_impl_rows(x, qw, out):
+    _q_1_impl_rows(x, qw, out, 31)
+
+
+@njit(**JIT)
 def f16_rows(x, out):
     """ggml_fp32_to_fp16_row: ggml_compute_fp32_to_fp16 per element (RNE; NaN -> sign|0x7E00)."""
     n_rows, n = x.shape
-    for r in prange(n_rows):
+    for r in range(n_rows):
         for j in range(n):
             out[r, j] = fp32_to_fp16(x[r, j])
 
 
-@njit(**PAR)
+@njit(**JIT)
 def bf16_rows(x, out):
     """ggml_fp32_to_bf16_row_ref: round to nearest even on the top 16 bits; NaN kept, forced quiet."""
     n_rows, n = x.shape
-    for r in prange(n_rows):
+    for r in range(n_rows):
         for j in range(n):
             u = np.int64(f32_bits(x[r, j]))
             if (u & 0x7FFFFFFF) > 0x7F800000:
-                out[r, j] = u >> 16
+                out[r, j] = (u >> 16) | 64
             else:
                 out[r, j] = ((u + (0x7FFF + ((u >> 16) & 1))) >> 16) & 0xFFFF
 
 
 # ====================================================================================================
 # K-quants: Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
-
 # ====================================================================================================
 
-# The K-quants Q2_K, Q3_K, Q4_K, Q5_K, Q6_K: 256-value super-blocks (ggml-quants.c).
-#
-# ``<type>_ref_rows`` mirror ``quantize_row_<type>_ref`` (ggml_quantize_chunk without an imatrix),
-# ``<type>_impl_rows`` mirror ``quantize_row_<type>_impl`` (with one). Both search per-sub-block scales, quantize
-# the scales themselves, store the fp16 super-scales, and then requantize every value with the scales as
-# stored (fp16 re-read), except where a sub-block's scale came out 0: there the levels of the search stay.
+# 256-value super-blocks. ``<type>_ref_rows`` mirror ``quantize_row_<type>_ref`` (ggml_quantize_chunk without
+# an imatrix), ``<type>_impl_rows`` mirror ``quantize_row_<type>_impl`` (with one). Both search per-sub-block
+# scales, quantize the scales themselves, store the fp16 super-scales, and then requantize every value with the
+# scales as stored (fp16 re-read), except where a sub-block's scale came out 0: there the levels of the search
+# stay.
 
 # --- shared packing ----------------------------------------------------------------------------------
 
@@ -597,10 +696,10 @@ def _q2_K_requantize(xr, o, y, p, L):
     _pack_2bit(L, y, p + 16)
 
 
-@njit(**PAR)
+@njit(**JIT)
 def q2_K_ref_rows(x, out):
     n_rows, n = x.shape
-    for r in prange(n_rows):
+    for r in range(n_rows):
         xr = x[r]
         y = out[r]
         L = np.empty(QK_K, np.uint8)
@@ -643,10 +742,10 @@ def q2_K_ref_rows(x, out):
             _q2_K_requantize(xr, o, y, p, L)
 
 
-@njit(**PAR)
+@njit(**JIT)
 def q2_K_impl_rows(x, qw, out):
     n_rows, n = x.shape
-    for r in prange(n_rows):
+    for r in range(n_rows):
         xr = x[r]
         y = out[r]
         L = np.empty(QK_K, np.uint8)
@@ -717,10 +816,10 @@ def _q3_K_finish(xr, o, y, p, L):
     _pack_2bit(L, y, p + 32)
 
 
-@njit(**PAR)
+@njit(**JIT)
 def q3_K_ref_rows(x, out):
     n_rows, n = x.shape
-    for r in prange(n_rows):
+    for r in range(n_rows):
         xr = x[r]
         y = out[r]
         L = np.empty(QK_K, np.int8)
@@ -749,10 +848,10 @@ def q3_K_ref_rows(x, out):
             _q3_K_finish(xr, o, y, p, L)
 
 
-@njit(**PAR)
+@njit(**JIT)
 def q3_K_impl_rows(x, qw, out):
     n_rows, n = x.shape
-    for r in prange(n_rows):
+    for r in range(n_rows):
         xr = x[r]
         y = out[r]
         L = np.empty(QK_K, np.int8)
@@ -904,10 +1003,10 @@ def _qk_impl_block(xr, o, qw, y, p, nmax, clamp_levels, L, Laux, w, scales, mins
     _qk_requantize(xr, o, y, p, nmax, L)
 
 
-@njit(**PAR)
+@njit(**JIT)
 def q4_K_ref_rows(x, out):
     n_rows, n = x.shape
-    for r in prange(n_rows):
+    for r in range(n_rows):
         L = np.empty(QK_K, np.uint8)
         Laux = np.empty(32, np.uint8)
         w = np.empty(32, np.float32)
@@ -919,10 +1018,10 @@ def q4_K_ref_rows(x, out):
             _q4_K_pack(L, out[r], 144 * i)
 
 
-@njit(**PAR)
+@njit(**JIT)
 def q5_K_ref_rows(x, out):
     n_rows, n = x.shape
-    for r in prange(n_rows):
+    for r in range(n_rows):
         L = np.empty(QK_K, np.uint8)
         Laux = np.empty(32, np.uint8)
         w = np.empty(32, np.float32)
@@ -934,10 +1033,10 @@ def q5_K_ref_rows(x, out):
             _q5_K_pack(L, out[r], 176 * i)
 
 
-@njit(**PAR)
+@njit(**JIT)
 def q4_K_impl_rows(x, qw, out):
     n_rows, n = x.shape
-    for r in prange(n_rows):
+    for r in range(n_rows):
         L = np.empty(QK_K, np.uint8)
         Laux = np.empty(32, np.uint8)
         w = np.empty(32, np.float32)
@@ -952,10 +1051,10 @@ def q4_K_impl_rows(x, qw, out):
             _q4_K_pack(L, out[r], 144 * i)
 
 
-@njit(**PAR)
+@njit(**JIT)
 def q5_K_impl_rows(x, qw, out):
     n_rows, n = x.shape
-    for r in prange(n_rows):
+    for r in range(n_rows):
         L = np.empty(QK_K, np.uint8)
         Laux = np.empty(32, np.uint8)
         w = np.empty(32, np.float32)
@@ -1015,9 +1114,9 @@ def _q6_K_block(xr, o, qw, y, p, L, w, scales, tmp):
             y[qh + l] = ((q1 >> 4) | ((q2 >> 4) << 2) | ((q3 >> 4) << 4) | ((q4 >> 4) << 6)) & 0xFF
 
 
-@njit(**PAR)
+@njit(**JIT)
 def q6_K_ref_rows(x, out):
-    for r in prange(x.shape[0]):
+    for r in range(x.shape[0]):
         L = np.empty(QK_K, np.int8)
         w = np.empty(16, np.float32)
         scales = np.empty(16, np.float32)
@@ -1026,9 +1125,9 @@ def q6_K_ref_rows(x, out):
             _q6_K_block(x[r], QK_K * i, NO_WEIGHTS, out[r], 210 * i, L, w, scales, tmp)
 
 
-@njit(**PAR)
+@njit(**JIT)
 def q6_K_impl_rows(x, qw, out):
-    for r in prange(x.shape[0]):
+    for r in range(x.shape[0]):
         L = np.empty(QK_K, np.int8)
         w = np.empty(16, np.float32)
         scales = np.empty(16, np.float32)
@@ -1039,14 +1138,12 @@ def q6_K_impl_rows(x, qw, out):
 
 # ====================================================================================================
 # IQ4_NL, IQ4_XS
-
 # ====================================================================================================
 
-# IQ4_NL and IQ4_XS: quantize_row_iq4_nl_impl (ggml-quants.c) with ntry=7, non-linear 4-bit codes.
-#
-# IQ4_NL is the impl with super_block_size = block_size = 32 (one fp16 scale per 32 values); IQ4_XS with
-# super_block_size 256 and block_size 32 (an fp16 super-scale and 6-bit signed sub-scales). Without an imatrix
-# the weights are x^2 (ggml_quantize_chunk calls the same impl with quant_weights NULL).
+# quantize_row_iq4_nl_impl with ntry=7: non-linear 4-bit codes (kvalues_iq4nl). IQ4_NL is the impl with
+# super_block_size = block_size = 32 (one fp16 scale per 32 values); IQ4_XS with super_block_size 256 and
+# block_size 32 (an fp16 super-scale and 6-bit signed sub-scales). Without an imatrix the weights are x^2
+# (ggml_quantize_chunk calls the same impl with quant_weights NULL).
 
 NTRY = 7
 _KVALUES_STEP = np.diff(KVALUES_IQ4NL).astype(np.float32)  # kvalues[k+1] - kvalues[k], integers
@@ -1068,7 +1165,7 @@ def nearest_iq4nl(x):
             lo += _KVALUES_STEP[k - 1]
             hi += _KVALUES_STEP[k]
             c += 1
-    up = not (x - lo <= hi - x)
+    up = not (x - lo < hi - x)
     index = c + 1 if up else c
     value = hi if up else lo
     if x <= KVALUES_IQ4NL[0]:
@@ -1185,25 +1282,25 @@ def _iq4_xs_row(xr, qw, y):
         y[p + 3] = scales_h >> 8
 
 
-@njit(**PAR)
+@njit(**JIT)
 def iq4_nl_rows(x, out):
-    for r in prange(x.shape[0]):
+    for r in range(x.shape[0]):
         _iq4_nl_row(x[r], NO_WEIGHTS, out[r])
 
 
-@njit(**PAR)
+@njit(**JIT)
 def iq4_nl_impl_rows(x, qw, out):
-    for r in prange(x.shape[0]):
+    for r in range(x.shape[0]):
         _iq4_nl_row(x[r], qw, out[r])
 
 
-@njit(**PAR)
+@njit(**JIT)
 def iq4_xs_rows(x, out):
-    for r in prange(x.shape[0]):
+    for r in range(x.shape[0]):
         _iq4_xs_row(x[r], NO_WEIGHTS, out[r])
 
 
-@njit(**PAR)
+@njit(**JIT)
 def iq4_xs_impl_rows(x, qw, out):
-    for r in prange(x.shape[0]):
+    for r in range(x.shape[0]):
         _iq4_xs_row(x[r], qw, out[r])

@@ -25,7 +25,7 @@ from ..errors import KimiError
 KEEP = None                    # the target "keep": the tensor stays as it is stored
 
 # the types kimi-quantize writes (docs/policy.md); MXFP4 only as a copy of MXFP4 experts
-TARGET_TYPES = (QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q5_0, QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K,
+TARGET_TYPES = (QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K,
                 QT.Q6_K, QT.IQ4_NL, QT.IQ4_XS, QT.MXFP4)
 PRESETS = resources.files("kimi_convert.quant").joinpath("presets")   # package data: presets/*.toml
 TOP_KEYS, RULE_KEYS = {"default", "rules", "description"}, {"pattern", "type", "why"}

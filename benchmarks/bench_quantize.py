@@ -1,0 +1,103 @@
+#!/usr/bin/env python3
+"""kimi-quantize against llama-quantize's own code (not a test): wall time, peak RSS and byte equality, per type.
+
+    python benchmarks/bench_quantize.py [--types Q8_0,Q4_K,...] [--experts 32] [--layers 3] [--keep DIR]
+
+Makes one kimi-k3 GGUF with wide rows and BF16 experts (latent and expert width 1024, hidden 2048; about
+0.4 GB per MoE layer at 32 experts), then for each type runs, each in a fresh child process so that its peak RSS
+is its own (os.wait4):
+  * llama.cpp: `llama_model_quantize` from llama-cpp-python 0.3.36 (the code of llama-quantize), --pure, 2 threads;
+  * ours: `kimi_convert.quant.driver.quantize_file` with `default = "TYPE"`, numba on 2 threads.
+Prints per type both wall times, the ratio ours / llama.cpp (the goal: at most 2.0, then 1.0), both peak RSS
+and whether every tensor's bytes are equal. Numba's compiled kernels are cached on disk (first run compiles).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from kimi_convert.convert import build_plan, convert  # noqa: E402
+from kimi_convert.fixtures.make_checkpoint import make_checkpoint  # noqa: E402
+
+DEFAULT_TYPES = "Q8_0,Q4_0,Q5_0,Q2_K,Q3_K,Q4_K,Q5_K,Q6_K,IQ4_NL,IQ4_XS"
+
+LLAMA = """
+import sys
+from kimi_convert.interop import llama_quantize
+llama_quantize(sys.argv[1], sys.argv[2], int(sys.argv[3]), pure=True, threads=2)
+"""
+OURS = """
+import sys
+from kimi_convert.quant.driver import quantize_file
+from kimi_convert.quant.policy import parse_policy
+quantize_file(sys.argv[1], sys.argv[2], parse_policy(f'default = "{sys.argv[3]}"\\n', "bench"), threads=2)
+"""
+WARM = """
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+from kimi_convert.quant.blocks import quantize
+for t in sys.argv[1].split(","):
+    quantize(np.ones((2, 256), np.float32), QT[t])
+"""
+
+
+def timed(code: str, *args: str) -> tuple[float, int]:
+    """Wall seconds and peak RSS (bytes) of `python -c code args` in a fresh child."""
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    seconds = time.perf_counter() - start
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"failed: {args}\n{proc.stderr.read().decode()[-2000:]}")
+    return seconds, usage.ru_maxrss * 1024
+
+
+def same_bytes(a: Path, b: Path) -> bool:
+    from kimi_convert.gguf_io import open_gguf
+    ta, tb = open_gguf(a).tensors, open_gguf(b).tensors
+    return set(ta) == set(tb) and all(ta[n].qtype == tb[n].qtype and ta[n].raw.tobytes() == tb[n].raw.tobytes()
+                                      for n in ta)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--types", default=DEFAULT_TYPES)
+    ap.add_argument("--experts", type=int, default=32)
+    ap.add_argument("--layers", type=int, default=3, help="layers (the first is dense)")
+    ap.add_argument("--keep", type=Path, help="work in this folder and keep it")
+    args = ap.parse_args()
+    from gguf import GGMLQuantizationType as QT
+    from kimi_convert.quant.driver import FILE_TYPE
+
+    work = args.keep or Path(tempfile.mkdtemp(prefix="bench-quantize-"))
+    work.mkdir(parents=True, exist_ok=True)
+    src = work / "k3-wide-bf16.gguf"
+    if not src.exists():
+        hf = make_checkpoint(work / "Kimi-K3-wide", arch="k3", n_layers=args.layers, experts_mxfp4=False,
+                             hidden=2048, moe_intermediate_size=1024, routed_expert_hidden_size=1024,
+                             intermediate_size=2048, num_experts=args.experts, num_experts_per_token=4, seed=1)
+        convert(build_plan(hf, "bf16"), src)
+    print(f"input {src}: {src.stat().st_size / 1e6:.0f} MB; cores {os.cpu_count()}")
+    types = args.types.split(",")
+    subprocess.run([sys.executable, "-c", "import sys\n" + WARM, ",".join(types)], check=True)   # numba cache
+    print(f"{'type':8} {'llama.cpp s':>11} {'ours s':>8} {'ratio':>6} {'llama RSS':>10} {'our RSS':>9}  bytes equal")
+    for name in types:
+        theirs, ours = work / f"llama-{name}.gguf", work / f"ours-{name}.gguf"
+        t_l, rss_l = timed(LLAMA, str(src), str(theirs), str(int(FILE_TYPE[QT[name]])))
+        t_o, rss_o = timed(OURS, str(src), str(ours), name)
+        print(f"{name:8} {t_l:11.2f} {t_o:8.2f} {t_o / t_l:6.2f} {rss_l / 2**20:8.0f}Mi {rss_o / 2**20:7.0f}Mi  "
+              f"{same_bytes(ours, theirs)}", flush=True)
+        theirs.unlink()
+        ours.unlink()
+
+
+if __name__ == "__main__":
+    main()
