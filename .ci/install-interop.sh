@@ -89,6 +89,7 @@ if [ "$do_llcpp" = 1 ]; then
       echo "install-interop: error: the installed llama-cpp-python reports '$have_info', expected '$PINNED_SYSTEM_INFO'" >&2
       exit 1
     fi
+    mkdir -p "$INTEROP_DIR"
     stamp_for "$have_sha" > "$STAMP"
     echo "install-interop: llama-cpp-python $LLAMA_CPP_PYTHON_VERSION installed ($have_info)"
   fi

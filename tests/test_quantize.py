@@ -119,3 +119,22 @@ def test_k31_indexer_protected_under_a_policy_aimed_at_it(tmp_path):
         assert after[n].qtype == before[n].qtype and after[n].raw.tobytes() == before[n].raw.tobytes(), n
     assert {c.tensor for c in result.plan.conflicts} >= {n for n in indexer if n.endswith("attn_k.weight")}
     assert after["blk.0.attn_q.weight"].qtype == QT.Q4_K
+
+
+def test_keep_split_and_split_max_size(k3_bf16, tmp_path):
+    """--split-max-size makes llama.cpp-named parts; --keep-split quantizes each part into its own, and the
+    parts hold the same tensors, quantized exactly as the single file is."""
+    src = tmp_path / "split" / "k3.gguf"
+    src.parent.mkdir()
+    gf = open_gguf(k3_bf16)
+    first = quantize_file(k3_bf16, src, policy('default = "keep"\n'), split_max_size=4_000_000).paths
+    assert len(first) > 1 and all("-of-" in p.name for p in first)
+    kept = quantize_file(first[0], tmp_path / "q.gguf", policy('default = "Q8_0"\n'), keep_split=True).paths
+    assert [p.name.replace("q-", "") for p in kept] == [p.name.replace("k3-", "") for p in first]
+    for a, b in zip(first, kept):
+        assert GGUFReader(a).fields["split.count"].contents() == GGUFReader(b).fields["split.count"].contents()
+        assert [t.name for t in GGUFReader(a).tensors] == [t.name for t in GGUFReader(b).tensors]
+    whole = open_gguf(kept[0])
+    assert set(whole.tensors) == set(gf.tensors)
+    single = quantize_file(k3_bf16, tmp_path / "one.gguf", policy('default = "Q8_0"\n')).paths[0]
+    assert all(whole.tensors[n].raw.tobytes() == t.raw.tobytes() for n, t in open_gguf(single).tensors.items())
