@@ -260,7 +260,8 @@ def quantized_path(w: WeightRows, n_rows: int, op: str) -> str:
         return "tinyblas"
     if w.qtype in gq.Q0_TYPES or w.qtype in (QT.Q5_1, QT.MXFP4):
         return "vec_dot"
-    raise NotImplementedError(f"ggml's x86 product for {w.qtype.name} weights is not emulated")
+    # Q4_1 is the one type kimi-quantize can write whose x86 kernels are not emulated (docs/verification.md §8.4)
+    raise ValueError(f"llama_cpp_rounding: ggml's x86 product for {w.qtype.name} weights is not emulated")
 
 
 def _quantized(x: np.ndarray, w: WeightRows, path: str) -> np.ndarray:
