@@ -122,7 +122,7 @@ class KimiConfig:
 
     @classmethod
     def from_gguf(cls, fields: dict[str, Any]) -> "KimiConfig":
-        """From {key: python value} as read from a GGUF file (see gguf_io.read_metadata)."""
+        """From {key: python value} as read from a GGUF file (see gguf_io.open_gguf)."""
         return _from_gguf(fields)
 
 

@@ -342,11 +342,11 @@ def test_buffered_and_direct_writes_give_the_same_file(tmp_path, k31_dir, monkey
     from kimi_convert import gguf_io
     from kimi_convert.convert import build_plan, convert
     sinks = []
-    real_open_sink = gguf_io.open_sink
-    monkeypatch.setattr(gguf_io, "open_sink", lambda fout: sinks.append(real_open_sink(fout)) or sinks[-1])
+    real_open_sink = gguf_io.writer.open_sink
+    monkeypatch.setattr(gguf_io.writer, "open_sink", lambda fout: sinks.append(real_open_sink(fout)) or sinks[-1])
     direct = convert(build_plan(k31_dir, "f32"), tmp_path / "direct.gguf", split_max_tensors=100).paths
     assert {type(s).__name__ for s in sinks} == {"DirectSink"}
-    monkeypatch.setattr(gguf_io, "open_sink", gguf_io.BufferedSink)
+    monkeypatch.setattr(gguf_io.writer, "open_sink", gguf_io.BufferedSink)
     buffered = convert(build_plan(k31_dir, "f32"), tmp_path / "buffered.gguf", split_max_tensors=100).paths
     assert len(direct) == len(buffered) == 3
     for a, b in zip(direct, buffered):

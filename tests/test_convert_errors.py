@@ -251,13 +251,13 @@ def slow_writes(seconds_per_chunk: float) -> str:
     return f"""
 import time
 from kimi_convert import gguf_io
-_open_sink = gguf_io.open_sink
+_open_sink = gguf_io.writer.open_sink
 def slow_sink(fout):
     sink = _open_sink(fout)
     put = sink.put
     sink.put = lambda chunk, sources: (time.sleep({seconds_per_chunk}), put(chunk, sources))[1]
     return sink
-gguf_io.open_sink = slow_sink
+gguf_io.writer.open_sink = slow_sink
 """
 
 
