@@ -1,31 +1,42 @@
 #!/usr/bin/env python3
-"""Converter benchmark (not a test): throughput against `cp` and peak RSS at two model sizes.
+"""Converter benchmark (not a test): kimi-convert at the real widths against `cat` and `cp`, and the one pass
+(`kimi-convert --policy P`) against the two-pass routes, each on real data written to disk.
 
-    python benchmarks/bench_convert.py [--sizes 1,2.5] [--workdir DIR] [--keep] [--repeats 2]
-                                       [--no-drop-caches] [--profile]
+    python benchmarks/bench_convert.py [--experts 896] [--layers 1] [--repeats 2] [--caches cold,warm]
+    python benchmarks/bench_convert.py --policy k3-native [--experts 256] [--repeats 2] [--caches warm]
+        common: [--workdir DIR] [--checkpoint DIR] [--keep]
 
-For each size (GB, decimal, of routed-expert shard bytes) it writes a Kimi-K3 checkpoint whose
-routed experts have the real shapes and MXFP4 layout (latent L=3584, moe intermediate I=3072:
-w1/w3 weight_packed U8[3072,1792] + weight_scale U8[3072,112], w2 U8[3584,1536] + U8[3584,96]),
-32 experts per MoE layer (--experts), as many MoE layers as the size needs; the other dimensions are
-small but real-looking (hidden 2048, 16 heads of 128, ...), so routed experts are ~80% of the
-bytes (the real model: >95%; the rest is BF16 that the converter copies in-kernel, so this
-flatters the converter a little). Config, tokenizer and small tensors come from
-kimi_convert.fixtures.make_checkpoint; the big tensors are written here by a streaming safetensors writer
-(random packed codes, E8M0 scales in 118..127), one tensor at a time, so generation is
-disk-bound and its memory is a few tens of MB.
+The checkpoint (written here, or --checkpoint: one written by an earlier --keep run): `--layers` MoE layers at
+the real K3 widths (hidden 7168, 96 heads, q_lora 1536, kv_lora 512, the last layer MLA, the others KDA), each
+with `--experts` routed experts in the real MXFP4 layout (w1/w3 weight_packed U8[3072,1792] + weight_scale
+U8[3072,112], w2 U8[3584,1536] + U8[3584,96]: 17.5 MB an expert, 15.7 GB for the real 896), random codes and
+E8M0 scales in 118..127, real bytes on disk (no sparse holes); a 1024-token vocabulary (the real one would add
+4.7 GB of embeddings). One shard per layer, as the release roughly has (96 shards of ~16 GB).
 
-Then, each in its own subprocess (so ru_maxrss, read with os.wait4, is that run's alone):
-  * `python -m kimi_convert HF OUT --force` (build_plan + convert) for every size: peak RSS;
-  * on the largest size, `cp` of the same shard files to the same disk followed by `sync` of
-    the copies (the converter fsyncs its output, so cp is charged for its write-back too),
-    against the converter; cold cache (`sync; echo 3 > /proc/sys/vm/drop_caches` before every
-    timed run, when permitted) and warm cache (sources in the page cache), each in the order
-    cp, convert, convert, cp for --repeats 2 (ABBA, so neither side always goes first);
-    the best time of each side is kept.
-Throughput = bytes written / wall time of the whole process (interpreter start, planning and
-vocabulary included); the converter's own write-phase time (from its summary line) is shown too.
-Everything under the work directory is deleted at the end unless --keep.
+Without --policy, per cache state, in the order cat, cp, convert, convert, cp, cat, ... (--repeats rounds):
+  * `cat SHARDS > /dev/null`;
+  * `cp SHARDS COPY/` to the same disk, then `sync` of the copies (the converter fsyncs its output);
+  * `kimi-convert HF OUT --force`.
+Cache states: cold-ish = the shards' pages dropped from the page cache before each run (posix_fadvise
+DONTNEED on these files only, so that the other processes of a shared machine keep theirs; pages another
+process holds stay); warm = the shards read before each run. The share of the shards in the page cache at the
+start of each run is printed (util-linux `fincore`): on a machine with less free RAM than the shards, warm is
+only partly warm. Speed ratios are time ratios on the same shards (cat / convert: 1.0 = as fast as cat).
+
+With --policy P (warm, unless --caches says otherwise), in one run, the routes in turn:
+  * one pass: `kimi-convert HF OUT --policy P --force`;
+  * `kimi-convert HF MID` + `kimi-quantize MID OUT --policy P`;
+  * `kimi-convert HF MID` + llama.cpp's quantizer (`interop.llama_quantize`: llama_model_quantize, 2 threads,
+    Q8_0 with --tensor-type overrides that give every tensor the one pass's type, checked afterwards);
+  * `cp -r` of the checkpoint folder + `sync`.
+The one pass and the two-pass kimi-quantize output must be byte-identical (checked). Ratios: the best two-pass
+route's time over the one pass's; the one pass's over cp's.
+
+Every command is its own child process: wall time and CPU time (user + sys) from os.wait4, peak RSS from
+/usr/bin/time (run_measured says why), each that run's alone; a two-command route sums the times and takes the
+larger RSS. The best time of each side
+is kept. Outputs are deleted (and synced) between runs, untimed; everything under the work folder at the end
+unless --keep.
 """
 from __future__ import annotations
 
@@ -35,13 +46,12 @@ import math
 import os
 import platform
 import re
-import resource
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -51,31 +61,24 @@ sys.path.insert(0, str(REPO))
 
 from kimi_convert.fixtures import make_checkpoint as fx  # noqa: E402  (tensor_plan, config and tokenizer writers)
 
-LATENT, MOE_I, BLOCK = 3584, 3072, 32
-N_EXPERTS = 32            # per MoE layer (the real model has hundreds; --experts)
-# the other dimensions: small, but shaped like the real model's
-BASE_SPEC = dict(arch="k3", hidden=2048, n_heads=16, kda_head_dim=128, q_lora_rank=768, kv_lora_rank=512,
-                 qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, intermediate_size=4096,
-                 moe_intermediate_size=MOE_I, routed_expert_hidden_size=LATENT, num_experts=N_EXPERTS,
-                 num_experts_per_token=8, num_shared_experts=1, first_k_dense_replace=1,
-                 experts_mxfp4=True, seed=0)
-# bytes of one expert (w1, w2, w3: packed + scale)
-EXPERT_BYTES = 2 * (MOE_I * LATENT // 2 + MOE_I * LATENT // BLOCK) + (LATENT * MOE_I // 2 + LATENT * MOE_I // BLOCK)
+REAL_WIDTHS = dict(arch="k3", hidden=7168, n_heads=96, kda_head_dim=128, q_lora_rank=1536, kv_lora_rank=512,
+                   qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, moe_intermediate_size=3072,
+                   routed_expert_hidden_size=3584, num_experts_per_token=16, num_shared_experts=2,
+                   attn_res_block_size=12, first_k_dense_replace=0, experts_mxfp4=True, seed=0)
 GEN_CHUNK = 1 << 22        # elements per generated block of a big float tensor
 GB, MB, GIB, MIB = 1e9, 1e6, 1 << 30, 1 << 20
 
 
-def log(msg: str) -> None:
+def log(msg: str = "") -> None:
     print(msg, flush=True)
 
 
 # ------------------------------------------------------------------------------------------
 # checkpoint generation
 
-def spec_for(size_gb: float) -> "fx.FixtureSpec":
-    moe_layers = max(1, math.ceil(size_gb * GB / (N_EXPERTS * EXPERT_BYTES)))
-    n_layers = moe_layers + BASE_SPEC["first_k_dense_replace"]
-    return fx.FixtureSpec(**BASE_SPEC, n_layers=n_layers, n_shards=n_layers + 3)   # one layer a shard
+def spec_for(n_layers: int, n_experts: int) -> "fx.FixtureSpec":
+    widths = dict(REAL_WIDTHS, num_experts_per_token=min(REAL_WIDTHS["num_experts_per_token"], n_experts))
+    return fx.FixtureSpec(**widths, n_layers=n_layers, num_experts=n_experts, n_shards=n_layers + 3)
 
 
 def _bf16_random(rng: np.random.Generator, n: int, std: float):
@@ -146,80 +149,124 @@ def shard_files(hf: Path) -> list[Path]:
     return sorted(hf.glob("model-*-of-*.safetensors"))
 
 
+def expert_bytes(spec) -> int:
+    return sum(math.prod(t.shape) for t in fx.tensor_plan(spec) if t.init in ("mx_packed", "mx_scale"))
+
+
 # ------------------------------------------------------------------------------------------
 # measuring
 
 @dataclass
 class Run:
     seconds: float
+    cpu: float            # user + sys, seconds
     max_rss: int          # bytes
-    stdout: str
-    stderr: str
+    stderr: str = ""
+
+    def __add__(self, other: "Run") -> "Run":
+        return Run(self.seconds + other.seconds, self.cpu + other.cpu, max(self.max_rss, other.max_rss),
+                   self.stderr + other.stderr)
 
 
 def run_measured(cmd: list[str], env=None) -> Run:
-    """Wall time and this child's own peak RSS (os.wait4, not the cumulative RUSAGE_CHILDREN)."""
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+    """Wall time and CPU time (os.wait4 on the child) and the command's own peak RSS.
+
+    The RSS comes from /usr/bin/time, which forks the command from its own small process: Linux carries a
+    process's peak RSS over exec, so a command started from this (larger) process would report this one's
+    peak as its own (and os.wait4's ru_maxrss with it)."""
+    with tempfile.TemporaryFile("w+") as err, tempfile.NamedTemporaryFile("r") as rss:
         start = time.perf_counter()
-        p = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=REPO)
+        p = subprocess.Popen(["/usr/bin/time", "-f", "%M", "-o", rss.name, *map(str, cmd)],
+                             stdout=subprocess.DEVNULL, stderr=err, env=env, cwd=REPO)
         _, status, usage = os.wait4(p.pid, 0)
         seconds = time.perf_counter() - start
-        p.returncode = os.waitstatus_to_exitcode(status)
-        out.seek(0), err.seek(0)
-        run = Run(seconds, usage.ru_maxrss * 1024, out.read(), err.read())
-    if p.returncode:
-        raise SystemExit(f"{' '.join(map(str, cmd))} failed ({p.returncode}):\n{run.stderr[-3000:]}")
+        err.seek(0)
+        run = Run(seconds, usage.ru_utime + usage.ru_stime, int(rss.read().split()[-1]) * 1024, err.read())
+    if os.waitstatus_to_exitcode(status):
+        raise SystemExit(f"{' '.join(map(str, cmd))} failed ({os.waitstatus_to_exitcode(status)}):\n"
+                         f"{run.stderr[-3000:]}")
     return run
 
 
-def converter_env() -> dict:
+def tool_env() -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env["COLUMNS"] = "200"
     return env
 
 
-def run_convert(hf: Path, out: Path) -> tuple[Run, float | None]:
-    """The CLI (build_plan + convert) in a subprocess; also its own write-phase seconds."""
-    run = run_measured([sys.executable, "-m", "kimi_convert", str(hf), str(out), "--force"], converter_env())
-    m = re.search(r"wrote \d+ tensors, .*? in ([\d.]+) s", run.stderr.replace("\n", " "))
-    return run, float(m.group(1)) if m else None
+def kimi_convert(hf: Path, out: Path, *extra: str) -> Run:
+    return run_measured([sys.executable, "-m", "kimi_convert", str(hf), str(out), "--force", *extra], tool_env())
 
 
-def run_cp(hf: Path, dest: Path) -> tuple[float, float]:
-    """(cp seconds, cp + sync-of-the-copies seconds)."""
-    dest.mkdir(parents=True, exist_ok=True)
-    files = shard_files(hf)
-    start = time.perf_counter()
-    run_measured(["cp", *map(str, files), str(dest)])
-    t_cp = time.perf_counter() - start
-    run_measured(["sync", *[str(dest / f.name) for f in files]])
-    return t_cp, time.perf_counter() - start
+def kimi_quantize(src: Path, out: Path, policy: str) -> Run:
+    code = "import sys; from kimi_convert.quantize_cli import main; sys.argv[0] = 'kimi-quantize'; main()"
+    return run_measured([sys.executable, "-c", code, str(src), str(out), "--policy", policy, "--force"],
+                        tool_env())
 
 
-def drop_caches() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
+def llama_quantize(src: Path, out: Path, ftype: int, tensor_types: list[tuple[str, int]]) -> Run:
+    code = ("import json, sys; from kimi_convert.interop.llama_cpp import llama_quantize; "
+            "a = json.loads(sys.argv[1]); "
+            "llama_quantize(a['src'], a['out'], a['ftype'], pure=True, threads=2, "
+            "tensor_types=[tuple(t) for t in a['types']])")
+    args = json.dumps({"src": str(src), "out": str(out), "ftype": ftype, "types": tensor_types})
+    return run_measured([sys.executable, "-c", code, args], tool_env())
 
 
-def warm(hf: Path) -> None:
-    for f in shard_files(hf):
+def cat(files: list[Path]) -> Run:
+    return run_measured(["cat", *map(str, files)])         # stdout: /dev/null
+
+
+def cp_sync(sources: list[Path], dest: Path, recursive: bool = False) -> Run:
+    """cp of the shard files (or -r of the folder) to the same disk, then sync of the copies."""
+    if recursive:
+        copied = run_measured(["cp", "-r", str(sources[0]), str(dest)])
+        files = [p for p in dest.rglob("*") if p.is_file()]
+    else:
+        dest.mkdir(parents=True, exist_ok=True)
+        copied = run_measured(["cp", *map(str, sources), str(dest)])
+        files = [dest / f.name for f in sources]
+    return copied + run_measured(["sync", *map(str, files)])
+
+
+def drop_from_cache(files: list[Path]) -> None:
+    """Evict these files' clean pages (only theirs: the rest of the page cache is left alone)."""
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def read_into_cache(files: list[Path]) -> None:
+    for f in files:
         with open(f, "rb", buffering=0) as fh:
             while fh.read(64 << 20):
                 pass
 
 
-def cleanup_outputs(*paths: Path) -> None:
+def resident(files: list[Path]) -> float:
+    """Share of the files' bytes in the page cache (util-linux fincore), or nan if it cannot tell."""
+    try:
+        out = subprocess.run(["fincore", "--bytes", "--noheadings", "--raw", "--output", "RES", *map(str, files)],
+                             capture_output=True, text=True, check=True).stdout
+        return sum(int(x) for x in out.split()) / sum(f.stat().st_size for f in files)
+    except (OSError, subprocess.CalledProcessError, ValueError):
+        return float("nan")
+
+
+def remove(*paths: Path) -> None:
     for p in paths:
         if p.is_dir():
             shutil.rmtree(p)
-        elif p.exists():
+        elif p.exists() or p.is_symlink():
             p.unlink()
+        manifest = p.with_name(p.name + ".manifest.json")
+        if manifest.exists():
+            manifest.unlink()
     os.sync()        # untimed: the next run must not pay for this one's write-back
 
 
@@ -244,16 +291,162 @@ def check_expert_bits(hf: Path, gguf: Path) -> str:
 
 
 # ------------------------------------------------------------------------------------------
+# the two comparisons
+
+@dataclass
+class Side:
+    runs: list[Run] = field(default_factory=list)
+    warmth: list[float] = field(default_factory=list)
+
+    @property
+    def best(self) -> Run:
+        return min(self.runs, key=lambda r: r.seconds)
+
+
+def prepare(cache: str, files: list[Path]) -> float:
+    if cache == "cold":
+        drop_from_cache(files)
+    else:
+        read_into_cache(files)
+    return resident(files)
+
+
+def bench_converter(a, hf: Path, root: Path, in_bytes: int) -> dict[str, dict[str, Side]]:
+    files, out, copy_dir = shard_files(hf), root / "out.gguf", root / "cp-copy"
+    table: dict[str, dict[str, Side]] = {}
+    for cache in a.caches:
+        sides = table[cache] = {"cat": Side(), "cp + sync": Side(), "kimi-convert": Side()}
+        order = [s for i in range(a.repeats) for s in (list(sides) if i % 2 == 0 else list(sides)[::-1])]
+        for name in order:
+            warmth = prepare(cache, files)
+            if name == "cat":
+                run = cat(files)
+            elif name == "cp + sync":
+                run = cp_sync(files, copy_dir)
+            else:
+                run = kimi_convert(hf, out)
+                log(f"    {check_expert_bits(hf, out)}")
+            remove(out, copy_dir)
+            sides[name].runs.append(run)
+            sides[name].warmth.append(warmth)
+            log(f"  [{cache}, {100 * warmth:.0f}% cached] {name:12} {run.seconds:7.2f} s wall "
+                f"({in_bytes / MB / run.seconds:5.0f} MB/s), CPU {run.cpu:6.2f} s, peak RSS {run.max_rss / MIB:5.0f} MiB")
+    return table
+
+
+def summarize_converter(table: dict[str, dict[str, Side]], in_bytes: int, out_bytes: int) -> None:
+    log(f"\nshards {in_bytes / GB:.2f} GB -> GGUF {out_bytes / GB:.2f} GB; best of each side; MB/s of shard bytes")
+    log(f"{'cache':6} {'side':12} {'wall':>9} {'MB/s':>6} {'CPU':>8} {'RSS':>8}  {'cached':>6}")
+    for cache, sides in table.items():
+        for name, side in sides.items():
+            r = side.best
+            log(f"{cache:6} {name:12} {r.seconds:7.2f} s {in_bytes / MB / r.seconds:6.0f} {r.cpu:6.2f} s "
+                f"{r.max_rss / MIB:5.0f} MiB  {100 * side.warmth[side.runs.index(r)]:5.0f}%")
+        conv = sides["kimi-convert"].best.seconds
+        log(f"{cache:6} kimi-convert at {sides['cat'].best.seconds / conv:.2f}x of cat's speed, "
+            f"{sides['cp + sync'].best.seconds / conv:.2f}x of cp + sync's")
+
+
+def route_types(gguf: Path) -> dict[str, str]:
+    from kimi_convert.gguf_io import open_gguf
+    return {n: t.qtype.name for n, t in open_gguf(gguf).tensors.items()}
+
+
+def llama_overrides(one_pass: Path) -> list[tuple[str, int]]:
+    """--tensor-type overrides giving llama-quantize (default Q8_0) the one pass's type for every tensor it
+    would make Q8_0 otherwise: exact names; the F32 ones it never quantizes anyway."""
+    from gguf import GGMLQuantizationType as QT
+
+    from kimi_convert.gguf_io import open_gguf
+    return [(f"^{re.escape(n)}$", int(t.qtype)) for n, t in open_gguf(one_pass).tensors.items()
+            if t.qtype not in (QT.Q8_0, QT.F32)]
+
+
+def same_bytes(a: Path, b: Path) -> tuple[int, int]:
+    """(tensors with equal bytes, tensors) of two GGUFs with the same tensor names, compared 64 MB at a time."""
+    from kimi_convert.gguf_io import open_gguf
+    ta, tb = open_gguf(a).tensors, open_gguf(b).tensors
+    equal = 0
+    for n, t in ta.items():
+        x, y = t.raw_bytes().reshape(-1), tb[n].raw_bytes().reshape(-1)
+        equal += x.size == y.size and all(np.array_equal(x[i:i + (64 << 20)], y[i:i + (64 << 20)])
+                                          for i in range(0, x.size, 64 << 20))
+    return equal, len(ta)
+
+
+def identical(a: Path, b: Path) -> bool:
+    return subprocess.run(["cmp", "-s", str(a), str(b)]).returncode == 0
+
+
+def bench_policy(a, hf: Path, root: Path) -> dict[str, dict[str, Side]]:
+    from gguf import GGMLQuantizationType as QT
+
+    from kimi_convert.quant.driver import FILE_TYPE
+    files, out, mid, ref, copy_dir = (shard_files(hf), root / "one.gguf", root / "mid.gguf", root / "two.gguf",
+                                      root / "cp-copy")
+    log("reference one-pass output (untimed: the routes are compared against it)")
+    kimi_convert(hf, ref, "--policy", a.policy)
+    types, overrides = route_types(ref), llama_overrides(ref)
+    routes = ["one pass", "convert + kimi-quantize", "convert + llama.cpp", "cp -r + sync"]
+    table: dict[str, dict[str, Side]] = {}
+    for cache in a.caches:
+        sides = table[cache] = {r: Side() for r in routes}
+        order = [s for i in range(a.repeats) for s in (routes if i % 2 == 0 else routes[::-1])]
+        for name in order:
+            warmth = prepare(cache, files)
+            if name == "one pass":
+                run = kimi_convert(hf, out, "--policy", a.policy)
+                check = "identical to the reference" if identical(out, ref) else "DIFFERS from the reference"
+            elif name == "convert + kimi-quantize":
+                run = kimi_convert(hf, mid) + kimi_quantize(mid, out, a.policy)
+                check = "identical to the one pass" if identical(out, ref) else "DIFFERS from the one pass"
+            elif name == "convert + llama.cpp":
+                run = kimi_convert(hf, mid) + llama_quantize(mid, out, int(FILE_TYPE[QT.Q8_0]), overrides)
+                theirs = route_types(out)
+                equal, n = same_bytes(ref, out)
+                check = (f"types {'equal' if theirs == types else 'DIFFER: ' + str(_type_diff(types, theirs))}"
+                         f", {equal}/{n} tensors byte-equal")
+            else:
+                run = cp_sync([hf], copy_dir, recursive=True)
+                check = ""
+            remove(out, mid, copy_dir)
+            sides[name].runs.append(run)
+            sides[name].warmth.append(warmth)
+            log(f"  [{cache}, {100 * warmth:.0f}% cached] {name:24} {run.seconds:7.2f} s wall, CPU {run.cpu:6.2f} s, "
+                f"peak RSS {run.max_rss / MIB:5.0f} MiB  {check}")
+    remove(ref)
+    return table
+
+
+def _type_diff(ours: dict[str, str], theirs: dict[str, str]) -> list[str]:
+    return [f"{n}: {t} vs {theirs.get(n)}" for n, t in ours.items() if theirs.get(n) != t][:5]
+
+
+def summarize_policy(table: dict[str, dict[str, Side]], policy: str, in_bytes: int) -> None:
+    log(f"\n--policy {policy}: shards {in_bytes / GB:.2f} GB; best of each route")
+    log(f"{'cache':6} {'route':24} {'wall':>9} {'CPU':>8} {'peak RSS':>9}")
+    for cache, sides in table.items():
+        for name, side in sides.items():
+            r = side.best
+            log(f"{cache:6} {name:24} {r.seconds:7.2f} s {r.cpu:6.2f} s {r.max_rss / MIB:6.0f} MiB")
+        one = sides["one pass"].best.seconds
+        two = min(sides[r].best.seconds for r in ("convert + kimi-quantize", "convert + llama.cpp"))
+        cp = sides["cp -r + sync"].best.seconds
+        log(f"{cache:6} the best two-pass route takes {two / one:.2f}x the one pass's time (goal >= 1.8); "
+            f"the one pass {one / cp:.2f}x cp's (goal <= 1.25)")
+
+
+# ------------------------------------------------------------------------------------------
 
 def machine() -> str:
     cpu = "?"
     try:
-        cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return (f"{os.cpu_count()} cores ({cpu}), {mem / GIB:.0f} GiB RAM, Linux {platform.release()}, "
-            f"Python {platform.python_version()}, numpy {np.__version__}")
+            f"Python {platform.python_version()}, numpy {np.__version__}; load average {os.getloadavg()[0]:.1f}")
 
 
 def fs_of(path: Path) -> str:
@@ -266,32 +459,42 @@ def fs_of(path: Path) -> str:
 
 
 def main(argv=None) -> int:
-    global N_EXPERTS
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes", default="1,2.5", help="GB (decimal) of routed-expert bytes per model, e.g. 1,2.5")
-    ap.add_argument("--workdir", type=Path, default=Path("/work/bench-tmp"))
-    ap.add_argument("--keep", action="store_true", help="keep the checkpoints and outputs")
+    ap.add_argument("--policy", help="compare the one pass with this policy against the two-pass routes")
+    ap.add_argument("--experts", type=int, help="routed experts per MoE layer (default 896; 256 with --policy)")
+    ap.add_argument("--layers", type=int, default=1, help="MoE layers at the real widths (one shard each)")
     ap.add_argument("--repeats", type=int, default=2, help="timed runs of each side per cache state")
-    ap.add_argument("--no-drop-caches", action="store_true", help="skip the cold-cache measurement")
-    ap.add_argument("--profile", action="store_true", help="also run the converter under cProfile (largest size)")
-    ap.add_argument("--experts", type=int, default=N_EXPERTS, help="routed experts per MoE layer")
+    ap.add_argument("--caches", help="cold,warm (default; warm with --policy)")
+    ap.add_argument("--workdir", type=Path, default=Path("/work/bench-tmp"))
+    ap.add_argument("--checkpoint", type=Path, help="use this checkpoint (written by an earlier --keep run)")
+    ap.add_argument("--keep", action="store_true", help="keep the checkpoint written here")
     a = ap.parse_args(argv)
-    N_EXPERTS = BASE_SPEC["num_experts"] = a.experts
-    sizes = sorted(float(s) for s in a.sizes.split(","))
-    specs = [spec_for(s) for s in sizes]
+    a.experts = a.experts or (256 if a.policy else 896)
+    a.caches = (a.caches or ("warm" if a.policy else "cold,warm")).split(",")
+    spec = spec_for(a.layers, a.experts)
 
-    # disk: every checkpoint + one converter output + one cp copy of the largest, plus slack
-    est = [s.n_layers * N_EXPERTS * EXPERT_BYTES * 1.15 for s in specs]
-    need = sum(est) + 2 * max(est) + 1 * GB
     a.workdir.mkdir(parents=True, exist_ok=True)
+    shard_est = expert_bytes(spec) * 1.06 + 0.85e9 * a.layers
+    outputs = 3 if a.policy else 1          # the reference and a route's two files; or one output (or copy)
+    need = (0 if a.checkpoint else shard_est) + outputs * shard_est + 1e9
     free = shutil.disk_usage(a.workdir).free
     log(f"machine: {machine()}")
     log(f"workdir: {a.workdir} on {fs_of(a.workdir)}, {free / GB:.1f} GB free, ~{need / GB:.1f} GB needed")
     if free < need:
-        raise SystemExit(f"{a.workdir}: not enough free disk ({free / GB:.1f} GB < {need / GB:.1f} GB)")
+        raise SystemExit(f"{a.workdir}: not enough free disk ({free / GB:.1f} GB < {need / GB:.1f} GB); "
+                         f"use fewer --experts")
     root = Path(tempfile.mkdtemp(prefix="bench-", dir=a.workdir))
     try:
-        return _bench(a, root, sizes, specs)
+        hf = a.checkpoint or generate(root / f"k3-{a.layers}x{a.experts}", spec)
+        in_bytes = sum(f.stat().st_size for f in shard_files(hf))
+        if a.policy:
+            summarize_policy(bench_policy(a, hf, root), a.policy, in_bytes)
+        else:
+            table = bench_converter(a, hf, root, in_bytes)
+            out_bytes = _converted_bytes(hf)
+            summarize_converter(table, in_bytes, out_bytes)
+        log(f"load average at the end: {os.getloadavg()[0]:.1f}")
+        return 0
     finally:
         if a.keep:
             log(f"kept {root}")
@@ -300,101 +503,19 @@ def main(argv=None) -> int:
             log(f"removed {root}")
 
 
-def _bench(a, root: Path, sizes, specs) -> int:
-    ckpts = []
-    for size, spec in zip(sizes, specs):
-        hf = root / f"k3-{size:g}gb"
-        t0 = time.perf_counter()
-        total, expert = write_checkpoint(hf, spec)
-        os.sync()
-        dt = time.perf_counter() - t0
-        log(f"generated {hf.name}: {spec.n_layers} layers ({spec.n_layers - 1} MoE x {N_EXPERTS} experts), "
-            f"{len(shard_files(hf))} shards, {total / GB:.2f} GB ({expert / GB:.2f} GB routed experts, "
-            f"{100 * expert / total:.0f}%) in {dt:.1f} s ({total / MB / dt:.0f} MB/s incl. sync); "
-            f"benchmark process peak RSS so far {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
-        ckpts.append((size, hf, total, expert))
+def generate(hf: Path, spec) -> Path:
+    t0 = time.perf_counter()
+    total, expert = write_checkpoint(hf, spec)
+    os.sync()
+    dt = time.perf_counter() - t0
+    log(f"generated {hf.name}: {spec.n_layers} MoE layer(s) x {spec.num_experts} experts at the real widths, "
+        f"{len(shard_files(hf))} shards, {total / GB:.2f} GB ({expert / GB:.2f} GB routed experts) in {dt:.0f} s")
+    return hf
 
-    out, copy_dir = root / "out.gguf", root / "cp-copy"
-    results = []
 
-    # (b) peak RSS at every size (warm cache; page cache is not RSS)
-    for size, hf, total, expert in ckpts:
-        warm(hf)
-        run, write_s = run_convert(hf, out)
-        out_bytes = out.stat().st_size
-        check = check_expert_bits(hf, out) if hf == ckpts[-1][1] else ""
-        results.append((size, total, expert, out_bytes, run.max_rss))
-        log(f"convert {hf.name}: peak RSS {run.max_rss / MIB:.0f} MiB, {out_bytes / GB:.2f} GB out in "
-            f"{run.seconds:.1f} s {check}")
-        cleanup_outputs(out)
-
-    # (a) throughput vs cp on the largest checkpoint
-    size, hf, total, _ = ckpts[-1]
-    out_bytes = results[-1][3]
-    modes = ["warm"]
-    can_drop = drop_caches()
-    if a.no_drop_caches:
-        log("cold cache: skipped (--no-drop-caches)")
-    elif can_drop:
-        modes.insert(0, "cold")
-    else:
-        log("cold cache: NOT measured: writing /proc/sys/vm/drop_caches is not permitted here")
-    table = {}
-    for mode in modes:
-        cp_times, cpsync_times, conv_times, write_times, rss = [], [], [], [], []
-        order = [s for i in range(a.repeats) for s in (("cp", "conv") if i % 2 == 0 else ("conv", "cp"))]
-        for side in order:
-            if mode == "cold":
-                drop_caches()
-            else:
-                warm(hf)
-            if side == "cp":
-                t_cp, t_cpsync = run_cp(hf, copy_dir)
-                cp_times.append(t_cp), cpsync_times.append(t_cpsync)
-                log(f"  [{mode}] cp: {t_cp:.2f} s, cp+sync: {t_cpsync:.2f} s ({total / MB / t_cpsync:.0f} MB/s)")
-                cleanup_outputs(copy_dir)
-            else:
-                run, write_s = run_convert(hf, out)
-                conv_times.append(run.seconds), rss.append(run.max_rss)
-                write_times.append(write_s or float("nan"))
-                log(f"  [{mode}] convert: {run.seconds:.2f} s ({out_bytes / MB / run.seconds:.0f} MB/s), "
-                    f"write phase {write_s} s, peak RSS {run.max_rss / MIB:.0f} MiB")
-                cleanup_outputs(out)
-        table[mode] = (min(cp_times), min(cpsync_times), min(conv_times), min(write_times), max(rss))
-
-    if a.profile:
-        prof = root / "convert.prof"
-        warm(hf)
-        run_measured([sys.executable, "-m", "cProfile", "-o", str(prof), "-m", "kimi_convert", str(hf), str(out),
-                      "--force"], converter_env())
-        import pstats
-        log("\ncProfile of the converter (warm cache), top 15 by own time:")
-        pstats.Stats(str(prof)).sort_stats("tottime").print_stats(15)
-        cleanup_outputs(out)
-
-    # summary
-    log("\n=== summary ===")
-    log(f"machine: {machine()}; disk {fs_of(root)}")
-    log(f"throughput, {hf.name}: {total / GB:.2f} GB of shards -> {out_bytes / GB:.2f} GB GGUF, best of {a.repeats}")
-    log(f"{'cache':6} {'cp':>10} {'cp+sync':>10} {'convert':>10} {'write phase':>11}   "
-        f"{'vs cp+sync':>10} {'vs cp':>6}")
-    for mode, (cp, cps, conv, wr, _) in table.items():
-        log(f"{mode:6} {cp:5.2f} s {cps:8.2f} s {conv:8.2f} s {wr:9.2f} s   {cps / conv:9.2f}x {cp / conv:5.2f}x")
-        log(f"{'':6} {total / MB / cp:5.0f} MB/s {total / MB / cps:5.0f} MB/s {out_bytes / MB / conv:5.0f} MB/s "
-            f"{out_bytes / MB / wr:6.0f} MB/s")
-    log("(convert = whole process: start-up, plan, vocabulary, data, fsync; write phase = the converter's own\n"
-        " figure for streaming the tensors; ratios are throughput ratios of the whole converter run; the\n"
-        " converter fsyncs its output, so the headline ratio charges cp with a sync of its copies too)")
-    log("peak RSS of the converter:")
-    for size, total, expert, ob, rss in results:
-        log(f"  {expert / GB:5.2f} GB routed experts ({total / GB:.2f} GB shards): {rss / MIB:6.0f} MiB")
-    growth = results[-1][4] - results[0][4]
-    log(f"  growth {growth / MIB:+.0f} MiB for {(results[-1][1] - results[0][1]) / GB:+.2f} GB of shards")
-    ratio = min(v[1] / v[2] for v in table.values())
-    peak = max(r[4] for r in results)
-    log(f"goals: throughput >= 0.8x cp: {'met' if ratio >= 0.8 else 'NOT met'} (worst {ratio:.2f}x); "
-        f"peak RSS < 1 GiB: {'met' if peak < GIB else 'NOT met'} ({peak / MIB:.0f} MiB)")
-    return 0
+def _converted_bytes(hf: Path) -> int:
+    from kimi_convert.convert import build_plan
+    return build_plan(hf).total_bytes
 
 
 if __name__ == "__main__":

@@ -8,25 +8,25 @@ from __future__ import annotations
 
 import gc
 import json
-import math
 import mmap
 import os
-import struct
+import stat
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from .errors import CheckpointError
+from .errors import CheckpointError, KimiError
+from .safetensors_header import DTYPE_BITS, read_header
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-MAX_HEADER = 512 << 20   # the real index-sized headers are a few MB; this rejects garbage lengths
+# The real model's index is 59,764,096 bytes (497,220 tensors): 1 GiB is 18 times that, and a
+# bigger file, parsed, would take tens of GB of RAM before any check could refuse it.
+MAX_INDEX_BYTES = 1 << 30
 
-DTYPE_SIZE = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "U8": 1, "I8": 1, "I32": 4, "I64": 8,
-              "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1, "U16": 2, "I16": 2, "U32": 4}
-DTYPE_NAMES = {k: k for k in DTYPE_SIZE}     # one shared string object per dtype
+DTYPE_SIZE = {dtype: bits // 8 for dtype, bits in DTYPE_BITS.items() if bits % 8 == 0}
 NUMPY_DTYPE = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32, "U8": np.uint8,
                "I8": np.int8, "I32": np.int32, "I64": np.int64, "F64": np.float64}
 
@@ -44,72 +44,99 @@ class SourceTensor:
         return f"{self.name} ({self.dtype} {list(self.shape)} in {self.path.name})"
 
 
-def read_shard_header(path: Path, shapes: dict | None = None) -> dict[str, SourceTensor]:
-    """Parse and bounds-check one safetensors header.
+# --- opening input files ----------------------------------------------------------------------
 
-    `shapes` (shared across shards) maps (dtype, *dims) to one (dtype, shape, nbytes) record:
-    the real model's 497,220 tensors have 39 distinct ones, so the per-tensor records share
-    them instead of each holding its own strings, tuple and ints.
-    """
+_NOT_REGULAR = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                (stat.S_ISSOCK, "a socket"))
+
+
+@contextmanager
+def open_input(path: Path, error: type[KimiError] = CheckpointError, missing: str = "not found"):
+    """(fd, size) of `path`, a regular file or a symlink to one (the Hugging Face cache's
+    snapshots/REV/x -> ../../blobs/SHA), opened read-only; anything else is `error` naming it.
+
+    A FIFO or a device is refused by its stat before it is opened, and the open cannot block
+    (O_NONBLOCK), should the file be swapped for one in between."""
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CheckpointError(f"{path}: corrupt safetensors header (file too short)")
-            (n,) = struct.unpack("<Q", head)
-            if n > min(MAX_HEADER, size - 8):
-                raise CheckpointError(f"{path}: corrupt safetensors header (length {n} > file)")
-            raw = f.read(n)
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):
+            raise error(f"{path}: is {_file_kind(mode)}, not a regular file")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
-        raise CheckpointError(f"{path}: shard not found") from None
+        dangling = f" (a symlink to {os.readlink(path)}, which does not exist)" if os.path.islink(path) else ""
+        raise error(f"{path}: {missing}{dangling}") from None
+    except OSError as e:            # PermissionError, ELOOP, EIO, ...
+        raise error(f"{path}: cannot read: {e.strerror or e}") from None
     try:
-        header = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: corrupt safetensors header ({e.__class__.__name__})") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: corrupt safetensors header (not an object)")
-    base = 8 + n
-    shapes = {} if shapes is None else shapes
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise error(f"{path}: is {_file_kind(st.st_mode)}, not a regular file")
+        yield fd, st.st_size
+    finally:
+        os.close(fd)
+
+
+def read_input(path: Path, limit: int, error: type[KimiError] = CheckpointError,
+               missing: str = "not found") -> str:
+    """The text (UTF-8) of a small input file, config.json or the index, through open_input."""
+    with open_input(path, error, missing) as (fd, size):
+        if size > limit:
+            raise error(f"{path}: {size:,} bytes, more than the {limit:,} such a file can need")
+        try:
+            data = os.pread(fd, size, 0)      # one read: the kernel returns up to 2 GiB at once
+        except OSError as e:
+            raise error(f"{path}: cannot read: {e.strerror or e}") from None
+    if len(data) != size:
+        raise error(f"{path}: changed while being read ({len(data):,} of {size:,} bytes)")
+    try:
+        return data.decode("utf-8")     # the bytes are let go on return, before the text is parsed
+    except UnicodeDecodeError as e:
+        raise error(f"{path}: not UTF-8 (byte {e.start})") from None
+
+
+def _file_kind(mode: int) -> str:
+    return next((kind for test, kind in _NOT_REGULAR if test(mode)), "not a regular file")
+
+
+def is_plain_file_name(name) -> bool:
+    """A file name inside the folder: no separator, not '.' or '..', not absolute."""
+    return (isinstance(name, str) and name not in ("", ".", "..")
+            and not any(c in name for c in ("/", "\\", "\0")))
+
+
+# --- shard headers ----------------------------------------------------------------------------
+
+def read_shard_header(path: Path, shapes: dict | None = None,
+                      missing: str = "shard not found") -> dict[str, SourceTensor]:
+    """Every tensor of one shard, its header validated completely (safetensors_header).
+
+    `shapes` (shared across shards) keeps one TensorLayout per distinct (dtype, *dims): the real
+    model's 497,220 tensors have 39, so the per-tensor records share them instead of each holding
+    its own strings, tuple and ints.
+    """
+    with open_input(path, missing=missing) as (fd, size):
+        base, entries = read_header(fd, size, path, shapes)
     out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        out[name] = _source_tensor(path, name, info, base, size, shapes)
+    for name, layout, begin in entries:
+        out[name] = SourceTensor(name, layout.dtype, layout.shape, path, base + begin, layout.nbytes)
     return out
 
 
-def _source_tensor(path: Path, name: str, info, base: int, size: int, shapes: dict) -> SourceTensor:
+def _parse_index(index: Path, text: str) -> dict:
+    """The weight_map of model.safetensors.index.json: {tensor name: shard file name}."""
     try:
-        key = (info["dtype"], *info["shape"])
-        begin, end = info["data_offsets"]
-        known = shapes.get(key)
-    except (KeyError, TypeError, ValueError):
-        raise CheckpointError(f"{path}: corrupt safetensors header entry for tensor {name}") from None
-    if known is None:
-        known = shapes[key] = _shape_record(path, name, info)
-    dtype, shape, nbytes = known
-    try:
-        if end - begin != nbytes or begin < 0:
-            raise CheckpointError(f"{path}: tensor {name} spans {end - begin} bytes but "
-                                  f"{dtype}{list(shape)} needs {nbytes}")
-    except TypeError:
-        raise CheckpointError(f"{path}: corrupt safetensors header entry for tensor {name}") from None
-    if base + end > size:
-        raise CheckpointError(f"{path}: truncated shard: tensor {name} ends at byte {base + end}, "
-                              f"file has {size}")
-    return SourceTensor(name, dtype, shape, path, base + begin, nbytes)
-
-
-def _shape_record(path: Path, name: str, info: dict) -> tuple[str, tuple[int, ...], int]:
-    dtype = info["dtype"]
-    try:
-        shape = tuple(int(x) for x in info["shape"])
-    except (TypeError, ValueError):
-        raise CheckpointError(f"{path}: corrupt safetensors header entry for tensor {name}") from None
-    if dtype not in DTYPE_SIZE:
-        raise CheckpointError(f"{path}: tensor {name} has unknown dtype {dtype}")
-    return DTYPE_NAMES[dtype], shape, math.prod(shape) * DTYPE_SIZE[dtype]
+        doc = json.loads(text)
+    except RecursionError:
+        raise CheckpointError(f"{index}: not a valid index: nested too deeply") from None
+    except ValueError as e:         # json.JSONDecodeError, an integer of over 4300 digits
+        raise CheckpointError(f"{index}: not a valid index: not JSON ({e})") from None
+    wm = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(wm, dict):
+        raise CheckpointError(f"{index}: not a valid index: no weight_map object")
+    if not wm:
+        raise CheckpointError(f"{index}: empty weight_map")
+    return wm
 
 
 @contextmanager
@@ -140,22 +167,26 @@ class Checkpoint:
 
     def _read_index(self) -> dict[str, str]:
         index = self.dir / INDEX_NAME
-        if not index.exists():
-            if (self.dir / SINGLE_NAME).exists():
+        if not os.path.lexists(index):
+            if os.path.lexists(self.dir / SINGLE_NAME):
                 return {n: SINGLE_NAME for n in read_shard_header(self.dir / SINGLE_NAME)}
             raise CheckpointError(f"{index}: not found (and no {SINGLE_NAME})")
-        try:
-            wm = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{index}: not a valid index ({e.__class__.__name__})") from None
-        if not isinstance(wm, dict) or not wm:
-            raise CheckpointError(f"{index}: empty weight_map")
+        wm = _parse_index(index, read_input(index, MAX_INDEX_BYTES))
         shard_names: dict[str, str] = {}
         for name, shard in wm.items():     # one string per shard, not one per tensor
-            if not isinstance(shard, str):
-                raise CheckpointError(f"{index}: tensor {name} maps to {shard!r}, not a shard file name")
-            wm[name] = shard_names.setdefault(shard, shard)
+            known = shard_names.get(shard) if type(shard) is str else None
+            if known is None:
+                known = shard_names[shard] = self._shard_name(index, name, shard)
+            wm[name] = known
         return wm
+
+    def _shard_name(self, index: Path, tensor: str, shard) -> str:
+        if not isinstance(shard, str):
+            raise CheckpointError(f"{index}: tensor {tensor} maps to {shard!r}, not a shard file name")
+        if not is_plain_file_name(shard):
+            raise CheckpointError(f"{index}: tensor {tensor} maps to {shard!r}, not a plain file name "
+                                  f"inside {self.dir} (no folder, '..' or absolute path)")
+        return shard
 
     def _read_shards(self, weight_map: dict[str, str]) -> None:
         """Each header's names are struck off the index as they are found (so the two are never
@@ -163,9 +194,7 @@ class Checkpoint:
         shapes: dict = {}
         for shard in self.shards:
             path = self.dir / shard
-            if not path.exists():
-                raise CheckpointError(f"{path}: missing shard (named in {INDEX_NAME})")
-            found = read_shard_header(path, shapes)
+            found = read_shard_header(path, shapes, missing=f"missing shard (named in {INDEX_NAME})")
             for name in found:
                 listed = weight_map.pop(name, None)
                 if listed is None and name in self.tensors:

@@ -10,27 +10,36 @@ from __future__ import annotations
 
 import resource
 import time
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
+from functools import lru_cache
+from itertools import chain
+from operator import attrgetter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
-from gguf import LlamaFileType, GGML_QUANT_VERSION
+from gguf import GGML_QUANT_VERSION, GGUFWriter, LlamaFileType
 from gguf import GGMLQuantizationType as QT
 
 from . import mxfp4
 from .checkpoint import DTYPE_SIZE, Checkpoint, SourceTensor, f32_to_bf16, to_f32
+from .checkpoint import _gc_paused as gc_paused
 from .constants import HF_TEXT_PREFIX, tname
 from .errors import CheckpointError, ConfigError
 from .gguf_io import (COPY_CHUNK, DirectSink, DiskRoom, FileRange, GGUFStreamWriter, OutTensor, Prefetch,
-                      check_free_disk, check_output_paths, check_split_max_size, disk_bytes, disk_room,
-                      remove_stale, split_paths, stale_partials, tensor_nbytes)
+                      SourceFiles, check_free_disk, check_output_paths, check_split_max_size, disk_bytes, disk_room,
+                      split_paths, stale_partials, tensor_nbytes)
 from .model import KimiConfig
+from .shard_io import read_tensors
 from .tensor_map import (A_LOG, CONV1D, COPY, EXPERTS, GLOBAL_RULES, K_B, LAYER_KINDS, LAYER_RULES,
-                         RES_SCORE, V_B, Rule, expert_sources, gguf_shape, sanitize)
+                         RES_SCORE, V_B, Rule, expert_sources, gguf_shape, sanitize, stored_type)
 
 if TYPE_CHECKING:
+    from .quant.onepass import OnePass
+    from .quant.policy import Policy
     from .vocab import Vocab
 
 OUTTYPES = {"bf16": QT.BF16, "f32": QT.F32}
@@ -41,9 +50,13 @@ BASE_RSS = 56 << 20           # interpreter, numpy, gguf, typer, rich: 54 MiB fo
 INDEX_BYTES_PER_TENSOR = 340  # index and plan, per source tensor: 324 B measured from 144k to 497k
 VOCAB_BYTES_PER_TOKEN = 320   # token strings, merges and types: 300 B resident, 313 B at the peak of loading
 WRITE_BUFFERS = DirectSink.STAGE * DirectSink.BUFFERS   # O_DIRECT staging, all touched on a big output
+REPACK_RSS = 123 << 20        # numba, llvmlite and the MXFP4 repack kernel, loaded by the first repack: 122 MiB
 IN_FLIGHT = Prefetch.DEPTH + 1  # produced chunks alive at once: the queue, plus the one being staged
-READ_AHEAD = 4               # experts requested from the disk ahead of the one being repacked
+REPACK_THREADS = 2            # MXFP4 experts read and repacked at once (_repacked_experts)
+REPACK_AHEAD = 4              # ... and that many ahead of the one the writer takes
+READ_AHEAD = 4                # experts requested from the disk (fadvise) beyond those
 CAST_CHUNK = 16 << 20         # source bytes cast per chunk (--outtype f32): 4 such chunks in flight
+_LAYOUT = attrgetter("dtype", "shape")
 
 
 @dataclass
@@ -64,16 +77,17 @@ class PlannedTensor:
         """RAM this tensor's producer (see _produce) and its chunks in flight need at once.
 
         Per transform, the producer's temporaries plus the produced chunks in flight (at most
-        IN_FLIGHT), in MiB as measured with tracemalloc on the real widths: an MXFP4 expert matrix
-        39 MiB (estimated 45), kv_b's split 48 (48) in bf16 and 108 (120) in f32, the router's
+        IN_FLIGHT), in MiB as measured with tracemalloc on the real widths: MXFP4 experts 50-56 MiB
+        (estimated 61), kv_b's split 48 (48) in bf16 and 108 (120) in f32, the router's
         widening to F32 61 (73), a 16 MB-block cast of a big tensor 208 (224); a verbatim copy
         needs nothing.
         """
         src = sum(s.nbytes for s in self.sources[0])
         tr = self.rule.transform
         if tr == EXPERTS and len(self.sources[0]) == 2:
-            # the mapped source pages and repack temporaries, then repacked experts in flight
-            return 4 * src + IN_FLIGHT * (self.nbytes // len(self.sources))
+            # each repack thread's read buffer; the experts repacked ahead, the one being handed over and
+            # those in flight (_repacked_experts)
+            return REPACK_THREADS * src + (REPACK_AHEAD + 1 + IN_FLIGHT) * (self.nbytes // len(self.sources))
         cast = self.sources[0][0].dtype != _src_dtype(self.qtype)
         if tr in (COPY, CONV1D, EXPERTS):
             if not cast:
@@ -112,9 +126,16 @@ class Plan:
 
     @property
     def peak_ram_estimate(self) -> int:
-        """Peak RSS of the run: the planning figure, the write buffers and the largest tensor's work."""
+        """Peak RSS of the run: the planning figure, the write buffers, the repack kernel and the largest
+        tensor's work."""
         buffers = min(WRITE_BUFFERS, self.total_bytes)      # staging pages are touched as they fill
-        return self.planning_ram_estimate + buffers + max(t.work_bytes for t in self.tensors)
+        return self.planning_ram_estimate + buffers + self.repack_rss + max(t.work_bytes for t in self.tensors)
+
+    @property
+    def repack_rss(self) -> int:
+        """REPACK_RSS if the run repacks MXFP4 experts (and so loads numba), else 0."""
+        repacks = any(t.rule.transform == EXPERTS and len(t.sources[0]) == 2 for t in self.tensors)
+        return REPACK_RSS if repacks else 0
 
     def by_group(self) -> dict[str, tuple[int, int]]:
         out: dict[str, list[int]] = defaultdict(lambda: [0, 0])
@@ -124,14 +145,19 @@ class Plan:
         return {k: (v[0], v[1]) for k, v in out.items()}
 
     def n_files(self, split_max_tensors: int = 0, split_max_size: int = 0) -> int:
-        """How many split files GGUFWriter will make (same rule: a file gets at least one tensor)."""
-        files, count, size = 1, 0, 0
-        for t in self.tensors:
-            if count and ((split_max_tensors and count >= split_max_tensors)
-                          or (split_max_size and size + t.nbytes > split_max_size)):
-                files, count, size = files + 1, 0, 0
-            count, size = count + 1, size + t.nbytes
-        return files
+        return count_files([t.nbytes for t in self.tensors], split_max_tensors, split_max_size)
+
+
+def count_files(sizes: list[int], split_max_tensors: int = 0, split_max_size: int = 0) -> int:
+    """How many split files GGUFWriter will make for tensors of these byte sizes, in order (same rule: a file
+    gets at least one tensor)."""
+    files, count, size = 1, 0, 0
+    for n in sizes:
+        if count and ((split_max_tensors and count >= split_max_tensors)
+                      or (split_max_size and size + n > split_max_size)):
+            files, count, size = files + 1, 0, 0
+        count, size = count + 1, size + n
+    return files
 
 
 # ------------------------------------------------------------------------------------
@@ -146,10 +172,11 @@ def build_plan(hf_dir: Path, outtype: str = "bf16") -> Plan:
     cfg = KimiConfig.from_hf_dir(hf_dir)
     ckpt = Checkpoint(hf_dir)
     planner = _Planner(cfg, ckpt.tensors, outtype, hf_dir)
-    tensors = [planner.plan(r, None) for r in GLOBAL_RULES[:1]]
-    for il in range(cfg.n_layer):
-        tensors += [planner.plan(r, il) for r in LAYER_RULES if LAYER_KINDS[r.when](cfg, il)]
-    tensors += [planner.plan(r, None) for r in GLOBAL_RULES[1:]]
+    with gc_paused():       # 250k source tuples; full collections over the index would find nothing
+        tensors = [planner.plan(r, None) for r in GLOBAL_RULES[:1]]
+        for il in range(cfg.n_layer):
+            tensors += [planner.plan(r, il) for r in LAYER_RULES if LAYER_KINDS[r.when](cfg, il)]
+        tensors += [planner.plan(r, None) for r in GLOBAL_RULES[1:]]
     planner.check_all_used()
     return Plan(hf_dir, cfg, ckpt, outtype, tensors, planner.dropped)
 
@@ -159,19 +186,27 @@ class _Planner:
 
     Names spelled HF_TEXT_PREFIX + canonical (the release's) are found there directly; only other
     spellings get an entry of their own, so the real model's 497k names are not copied (~75 MB).
+    The 494,592 routed-expert sources are counted rather than kept in the set of used names: each
+    is the source of one expert of one tensor only (a set of them took 16 MiB and a second).
     """
 
     def __init__(self, cfg: KimiConfig, tensors: dict[str, SourceTensor], outtype: str, hf_dir: Path):
         self.cfg, self.tensors, self.outtype, self.hf_dir = cfg, tensors, outtype, hf_dir
         self.aliases: dict[str, SourceTensor] = {}
         self.dropped: list[SourceTensor] = []
+        # the release's spelling, which sanitize() maps to itself minus the prefix: no entry needed
+        release = HF_TEXT_PREFIX + "model."
         for name, t in tensors.items():
+            if name.startswith(release):
+                continue
             canonical = sanitize(name)
             if canonical is None:
                 self.dropped.append(t)
             elif name != HF_TEXT_PREFIX + canonical:
                 self.aliases[canonical] = t
-        self.used: set[str] = set()     # HF names (the checkpoint's own string objects)
+        self.used: set[str] = set()     # HF names (the checkpoint's own string objects), experts aside
+        self.expert_groups: list[list[tuple[SourceTensor, ...]]] = []    # the experts counted instead
+        self.experts_used = 0
 
     def source(self, name: str, needed_for: str) -> SourceTensor:
         t = self.aliases.get(name) or self.tensors.get(HF_TEXT_PREFIX + name)
@@ -181,23 +216,44 @@ class _Planner:
         self.used.add(t.name)
         return t
 
+    def expert_sources(self, rule: Rule, bid: int, needed_for: str) -> list[tuple[SourceTensor, ...]]:
+        """Every expert's sources, checked: source() and check_expert() in bulk, at C speed where the
+        checkpoint has the release's names (per tensor, they took 1.7 s of the 2 s plan at the real size)."""
+        c = self.cfg
+        if self.aliases:            # other spellings: looked up name by name
+            names = expert_sources(rule, bid, c.n_expert, c.experts_mxfp4)
+            groups = [tuple(self.source(n, needed_for) for n in group) for group in names]
+        else:
+            names = expert_sources(rule, bid, c.n_expert, c.experts_mxfp4, prefix=HF_TEXT_PREFIX)
+            found = list(map(self.tensors.get, chain.from_iterable(names)))
+            if not all(found):      # a SourceTensor is true, a missing one None
+                for n in chain.from_iterable(names):
+                    self.source(n.removeprefix(HF_TEXT_PREFIX), needed_for)   # raises, naming it
+            column = iter(found)
+            groups = list(zip(*[column] * len(names[0])))
+            self.expert_groups.append(groups)
+            self.experts_used += len(found)
+        logical = rule.hf_shapes(c)[0]
+        if c.experts_mxfp4:         # (packed, scale): every expert's layout is one of the 39 shared ones
+            rows, cols = logical
+            want = (("U8", (rows, cols // 2)), ("U8", (rows, cols // mxfp4.BLOCK)))
+            if all({w} == set(map(_LAYOUT, (g[k] for g in groups))) for k, w in enumerate(want)):
+                return groups
+        for group in groups:
+            self.check_expert(group, logical)       # raises, naming the first one that is wrong
+        return groups
+
     def plan(self, rule: Rule, bid: int | None) -> PlannedTensor:
         c, out_name = self.cfg, tname(rule.gguf, bid)
         if rule.transform == EXPERTS:
-            names = expert_sources(rule, bid, c.n_expert, c.experts_mxfp4)
-            sources = [tuple(self.source(n, out_name) for n in group) for group in names]
-            for group in sources:
-                self.check_expert(group, rule.hf_shapes(c)[0])
-            qtype = QT.MXFP4 if c.experts_mxfp4 else self.float_type(rule)
+            sources = self.expert_sources(rule, bid, out_name)
+            qtype = stored_type(rule, c, OUTTYPES[self.outtype])
         else:
             group = tuple(self.source(n.format(bid=bid), out_name) for n in rule.hf)
             for t, shape in zip(group, rule.hf_shapes(c)):
                 self.check_float(t, shape)
-            sources, qtype = [group], self.float_type(rule)
+            sources, qtype = [group], stored_type(rule, c, OUTTYPES[self.outtype])
         return PlannedTensor(rule, bid, out_name, qtype, gguf_shape(rule, c), sources)
-
-    def float_type(self, rule: Rule) -> QT:
-        return QT.F32 if rule.f32 else OUTTYPES[self.outtype]
 
     def check_float(self, t: SourceTensor, shape: tuple[int, ...]) -> None:
         if t.dtype not in FLOAT_DTYPES:
@@ -222,10 +278,12 @@ class _Planner:
                                       f"config.json implies U8{list(want)}")
 
     def check_all_used(self) -> None:
-        if len(self.used) + len(self.dropped) == len(self.tensors):
+        if len(self.used) + self.experts_used + len(self.dropped) == len(self.tensors):
             return
+        experts = {t.name for groups in self.expert_groups for group in groups for t in group}
         stray = sorted(((sanitize(t.name), t) for t in self.tensors.values()
-                        if t.name not in self.used and sanitize(t.name) is not None), key=lambda ct: ct[0])
+                        if t.name not in self.used and t.name not in experts and sanitize(t.name) is not None),
+                       key=lambda ct: ct[0])
         t = stray[0][1]
         raise CheckpointError(f"{t.path}: tensor {t.name} has no GGUF mapping for this config "
                               f"({len(stray)} unmapped); refusing to drop it silently")
@@ -263,18 +321,55 @@ def _produce(p: PlannedTensor, ckpt: Checkpoint, cfg: KimiConfig) -> Iterator:
         yield ssm_a(ckpt.read_f32(p.sources[0][0]), cfg.n_head)
     elif tr in (K_B, V_B):
         yield _split_kv_b(p, ckpt, cfg)
+    elif tr == EXPERTS and len(p.sources[0]) == 2:
+        yield from _repacked_experts(p.sources, ckpt)
     elif tr == EXPERTS:
-        for t in (t for group in p.sources[:READ_AHEAD] for t in group):
-            ckpt.will_need(t)
         for e, group in enumerate(p.sources):
-            for t in p.sources[e + READ_AHEAD] if e + READ_AHEAD < len(p.sources) else ():
-                ckpt.will_need(t)                  # experts are read out of file order: ask early
-            if len(group) == 2:
-                yield mxfp4.repack(ckpt.map(group[0]), ckpt.map(group[1]))
-            else:
-                yield from _copy(group[0], p.qtype, ckpt)
+            _ask_disk_ahead(p.sources, e, READ_AHEAD, ckpt)
+            yield from _copy(group[0], p.qtype, ckpt)
     else:
         raise AssertionError(f"unknown transform {tr}")
+
+
+def _repacked_experts(experts: list[tuple[SourceTensor, ...]], ckpt: Checkpoint) -> Iterator[np.ndarray]:
+    """Each MXFP4 expert (packed, scale) repacked, in order. Experts are read (shard_io: one preadv into a
+    buffer the thread reuses) and repacked (the compiled kernel, which drops the GIL) on a pool of
+    REPACK_THREADS, REPACK_AHEAD experts ahead of the writer, so that both cores work while it writes; the
+    disk is asked for the READ_AHEAD experts beyond those, since they are read out of file order (every w1,
+    then every w2, ...)."""
+    pool, pending = _repack_pool(), deque()
+    with SourceFiles() as files:
+        try:
+            for e, group in enumerate(experts):
+                _ask_disk_ahead(experts, e, REPACK_AHEAD + READ_AHEAD, ckpt)
+                pending.append(pool.submit(_read_repacked, group, [files.fd(t.path) for t in group]))
+                if len(pending) > REPACK_AHEAD:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:            # the writer stopped early: no job may read from the files about to be closed
+            for job in pending:
+                job.cancel()
+            futures_wait(pending)
+
+
+def _ask_disk_ahead(experts: list[tuple[SourceTensor, ...]], e: int, ahead: int, ckpt: Checkpoint) -> None:
+    """As expert e is read, ask the disk (fadvise) for expert e + ahead, and at the start for those before it:
+    the experts of a stacked tensor are read out of file order (every w1, then every w2, ...)."""
+    for t in chain.from_iterable(experts[e + ahead:e + ahead + 1] if e else experts[:ahead + 1]):
+        ckpt.will_need(t)
+
+
+def _read_repacked(group: tuple[SourceTensor, ...], fds: list[int]) -> np.ndarray:
+    packed, scale = read_tensors(group, fds)
+    out = np.empty((packed.shape[0], packed.shape[1] * 2 // mxfp4.BLOCK * mxfp4.BLOCK_BYTES), np.uint8)
+    mxfp4.repack_into(packed, scale, out)
+    return out
+
+
+@lru_cache(maxsize=1)
+def _repack_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(REPACK_THREADS, thread_name_prefix="kimi-repack")
 
 
 def ssm_a(a_log: np.ndarray, n_head: int) -> np.ndarray:
@@ -348,16 +443,38 @@ class Preflight:
 
 
 def preflight(plan: Plan, out: Path, *, split_max_tensors: int = 0, split_max_size: int = 0,
-              force: bool = False) -> Preflight:
+              force: bool = False, quant: "OnePass | None" = None) -> Preflight:
     from .vocab import load_vocab     # here, so that planning alone needs no vocabulary
     out = Path(out)
     if split_max_size:
         check_split_max_size(split_max_size)
-    finals = split_paths(out, plan.n_files(split_max_tensors, split_max_size))
+    sizes = [t.nbytes for t in plan.tensors] if quant is None else quant.sizes
+    finals = split_paths(out, count_files(sizes, split_max_tensors, split_max_size))
     check_output_paths(finals, force)
     vocab = load_vocab(plan.hf_dir, _text_config(plan.hf_dir))
     stale = stale_partials(out)
-    return Preflight(finals, vocab, stale, disk_room(plan.total_bytes, out, sum(disk_bytes(p) for p in stale)))
+    return Preflight(finals, vocab, stale, disk_room(sum(sizes), out, sum(disk_bytes(p) for p in stale)))
+
+
+# ------------------------------------------------------------------------------------
+# the quantization hook (kimi-convert --policy): kimi-quantize's decisions and bytes, quant/onepass.py
+
+def plan_policy(plan: Plan, policy: "Policy", *, imatrix=None, allow_requantize: bool = False,
+                strict: bool = False, threads: int = 0) -> "OnePass":
+    """The policy applied to what this plan writes (each tensor's name, shape and output type), as kimi-quantize
+    applies it to the converted file."""
+    from .quant.onepass import plan_one_pass
+    return plan_one_pass(((t.name, t.shape, t.qtype) for t in plan.tensors), policy, imatrix=imatrix,
+                         allow_requantize=allow_requantize, strict=strict, threads=threads)
+
+
+def one_pass_peak_ram(plan: Plan, quant: "OnePass") -> int:
+    """Plan.peak_ram_estimate for the quantized output: the quantizer itself, and each tensor's producer work
+    plus, if it is quantized, a chunk's work."""
+    work = max(t.work_bytes + quant.chunk_work(i) for i, t in enumerate(plan.tensors))
+    buffers = min(WRITE_BUFFERS, sum(quant.sizes))
+    numba = max(quant.quantizer_rss, plan.repack_rss)       # the same numba: 128 MiB measured with both loaded
+    return plan.planning_ram_estimate + buffers + numba + work
 
 
 # ------------------------------------------------------------------------------------
@@ -365,35 +482,62 @@ def preflight(plan: Plan, out: Path, *, split_max_tensors: int = 0, split_max_si
 
 def convert(plan: Plan, out: Path, *, split_max_tensors: int = 0, split_max_size: int = 0,
             force: bool = False, on_bytes: Callable[[int], None] = lambda n: None,
-            log: Callable[[str], None] = lambda s: None) -> ConvertResult:
+            log: Callable[[str], None] = lambda s: None, quant: "OnePass | None" = None,
+            resume: bool = False, manifest: bool = True) -> ConvertResult:
+    """Write the plan; with `quant` (plan_policy), every tensor as kimi-quantize would make it from ours.
+    `resume`: keep the finished parts of an interrupted run of the same plan (gguf_io.writer)."""
+    if quant is not None:
+        quant.check_requirements()
     out = Path(out)
     pre = preflight(plan, out, split_max_tensors=split_max_tensors, split_max_size=split_max_size,
-                    force=force)
-    remove_stale(pre.stale, log)
-    check_free_disk(pre.room)
+                    force=force, quant=quant)
+    check_free_disk(pre.room)         # the writer removes (or with `resume` takes over) the stale partials
     cfg, ckpt = plan.config, plan.checkpoint
+    imatrix = getattr(quant, "imatrix", None)
     writer = GGUFStreamWriter(out, cfg.arch, split_max_tensors=split_max_tensors,
-                              split_max_size=split_max_size, force=force)
-    add_metadata(writer, plan, pre.vocab)
-    outs = [OutTensor(t.name, t.qtype, t.shape, (lambda t=t: _produce(t, ckpt, cfg))) for t in plan.tensors]
+                              split_max_size=split_max_size, force=force, tool="kimi-convert",
+                              inputs=ckpt.shard_paths + ([Path(imatrix.path)] if imatrix is not None else []),
+                              settings={"outtype": plan.outtype, "policy": quant.policy.source if quant else "none"},
+                              resume=resume, manifest=manifest, log=log)
+    produce = [(lambda t=t: _produce(t, ckpt, cfg)) for t in plan.tensors]
+    if plan.repack_rss:
+        _repack_pool().submit(mxfp4.load_kernel)        # numba's import overlaps the tensors before the experts
+    if quant is None:
+        add_metadata(writer, plan, pre.vocab)
+        outs = [OutTensor(t.name, t.qtype, t.shape, p) for t, p in zip(plan.tensors, produce)]
+    else:
+        for key, value, vtype, sub in quant.metadata(converted_metadata(plan, pre.vocab), file_type(plan)):
+            writer.add_kv(key, value, vtype, sub)
+        outs = quant.out_tensors(produce)
     start = time.perf_counter()
     paths = writer.write(outs, on_bytes)
-    return ConvertResult(paths, len(outs), plan.total_bytes, time.perf_counter() - start, peak_rss(),
+    return ConvertResult(paths, len(outs), sum(t.nbytes for t in outs), time.perf_counter() - start, peak_rss(),
                          len(plan.dropped), sum(t.nbytes for t in plan.dropped))
 
 
 def add_metadata(writer: GGUFStreamWriter, plan: Plan, vocab: "Vocab") -> None:
     """Every key of the output: general.*, the model's hyperparameters and the tokenizer
     (also used by kimi_convert.fixtures.real_size for its data-less GGUF of the real model)."""
+    write_metadata(writer.meta, plan, vocab)
+
+
+def write_metadata(m: GGUFWriter, plan: Plan, vocab: "Vocab") -> None:
     from .vocab import write_vocab
 
-    m = writer.meta
     m.add_name(plan.hf_dir.name)
     m.add_file_type(file_type(plan))
     m.add_quantization_version(GGML_QUANT_VERSION)
     for key, value, vtype, sub in plan.config.gguf_metadata():
-        writer.add_kv(key, value, vtype, sub)
+        m.add_key_value(key, value, vtype, sub)
     write_vocab(vocab, m)
+
+
+def converted_metadata(plan: Plan, vocab: "Vocab") -> list[tuple]:
+    """(key, value, type, element type) of every key a plain conversion writes, in its order: what kimi-quantize
+    reads back from our file, and so what the one pass hands to its metadata."""
+    m = GGUFWriter(None, plan.config.arch)        # collects keys only: no file
+    write_metadata(m, plan, vocab)
+    return [(k, v.value, v.type, v.sub_type) for k, v in m.kv_data[0].items()]
 
 
 def _text_config(hf_dir: Path) -> dict:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -102,17 +103,20 @@ class KimiConfig:
     # --- from HF ---
     @classmethod
     def from_hf_dir(cls, hf_dir: Path) -> "KimiConfig":
+        from .checkpoint import read_input      # regular files only, opened without blocking
         path = Path(hf_dir) / "config.json"
+        text = read_input(path, MAX_CONFIG_BYTES, ConfigError)
         try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: not found") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raw = json.loads(text)
+        except RecursionError:
+            raise ConfigError(f"{path}: not valid JSON (nested too deeply)") from None
+        except ValueError as e:     # json.JSONDecodeError, an integer of over 4300 digits
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
         return cls.from_hf(raw, source=str(path))
 
     @classmethod
-    def from_hf(cls, raw: dict, source: str = "config.json") -> "KimiConfig":
+    def from_hf(cls, raw: Any, source: str = "config.json") -> "KimiConfig":
+        """`raw`, config.json as parsed, checked field by field (ConfigError naming the field)."""
         return _parse_hf(raw, source)
 
     # --- to / from GGUF ---
@@ -127,87 +131,164 @@ class KimiConfig:
 
 
 # ------------------------------------------------------------------------------------
-# HF parsing
+# HF parsing: every value read is typed and range-checked, and a bad one is one ConfigError
+# naming the file and the field (text_config.num_hidden_layers)
 
-def _parse_hf(raw: dict, source: str) -> KimiConfig:
-    archs = raw.get("architectures") or []
-    if not archs or archs[0] not in HF_ARCHITECTURES:
-        raise ConfigError(f"{source}: unknown architecture {archs[:1] or None}; "
-                          f"expected one of {sorted(HF_ARCHITECTURES)}")
-    arch = HF_ARCHITECTURES[archs[0]]
-    tc = raw.get("text_config")
-    if not isinstance(tc, dict):
-        raise ConfigError(f"{source}: no text_config object")
+MAX_CONFIG_BYTES = 16 << 20     # the release's config.json is about 7 KB; a file of 16 MiB is not one
+# Integer fields become GGUF UINT32 keys, several read into int32 by llama.cpp; 2^31-1 also keeps
+# the sums written as keys (key_length = kv_lora_rank + qk_rope_head_dim) inside 32 bits.
+MAX_INT = 2**31 - 1
+_REQUIRED = object()
 
-    def get(name: str, where: dict = tc, ctx: str = "text_config"):
-        if name not in where:
-            raise ConfigError(f"{source}: {ctx}.{name} is missing")
-        return where[name]
 
-    lac = get("linear_attn_config")
-    n_layer = int(get("num_hidden_layers"))
-    n_head = int(get("num_attention_heads"))
-    _require(source, int(get("num_key_value_heads")) == n_head,
-             "num_key_value_heads must equal num_attention_heads (the kv_b split needs it)")
-    _require(source, int(get("num_heads", lac, "linear_attn_config")) == n_head,
-             "linear_attn_config.num_heads must equal num_attention_heads")
-    _require(source, get("mla_use_nope") is True, "mla_use_nope must be true (K3 MLA is NoPE)")
-    _require(source, get("hidden_act") == "situ", f"hidden_act {tc.get('hidden_act')!r} is not 'situ'")
-    _require(source, get("moe_router_activation_func") == "sigmoid",
-             f"moe_router_activation_func {tc.get('moe_router_activation_func')!r} is not 'sigmoid'")
+class _Fields:
+    """One object of config.json (the top level, text_config, linear_attn_config, ...)."""
 
-    full = _layer_list(source, get("full_attn_layers", lac, "linear_attn_config"), n_layer,
-                       "linear_attn_config.full_attn_layers")
-    kda = _layer_list(source, lac.get("kda_layers", []), n_layer, "linear_attn_config.kda_layers")
+    def __init__(self, source: str, values: Any, where: str = ""):
+        if not isinstance(values, dict):
+            raise ConfigError(f"{source}: {where + ' ' if where else ''}must be a JSON object, "
+                              f"not {_show(values)}")
+        self.source, self.values, self.where = source, values, where
+
+    def fail(self, key: str, problem: str) -> ConfigError:
+        return ConfigError(f"{self.source}: {self.where + '.' if self.where else ''}{key} {problem}")
+
+    def raw(self, key: str, default: Any = _REQUIRED) -> Any:
+        if key in self.values:
+            return self.values[key]
+        if default is _REQUIRED:
+            raise self.fail(key, "is missing")
+        return default
+
+    def int(self, key: str, least: int = 1, optional: bool = False) -> int:
+        """An integer (not 9.5, "8" or true) in least..MAX_INT; `optional`: absent or null is 0."""
+        value = self.raw(key, None if optional else _REQUIRED)
+        if optional and value is None:
+            return 0
+        if type(value) is not int or not least <= value <= MAX_INT:
+            raise self.fail(key, f"must be an integer in {least}..{MAX_INT}, not {_show(value)}")
+        return value
+
+    def number(self, key: str, *, above: float | None = None, least: float | None = None,
+               default: Any = _REQUIRED) -> float:
+        """A number that stays finite as the FLOAT32 GGUF stores it (not NaN, 1e39 or "1e-5")."""
+        value = self.raw(key, default)
+        if type(value) not in (int, float):
+            raise self.fail(key, f"must be a number, not {_show(value)}")
+        stored = _as_float32(value)
+        if not math.isfinite(stored):
+            raise self.fail(key, f"must be a finite float32, not {_show(value)}")
+        if (above is not None and not stored > above) or (least is not None and not stored >= least):
+            bound = f"above {above}" if above is not None else f"at least {least}"
+            raise self.fail(key, f"must be {bound}, not {_show(value)}")
+        return float(value)
+
+    def flag(self, key: str, default: bool) -> bool:
+        value = self.raw(key, default)
+        if type(value) is not bool:
+            raise self.fail(key, f"must be true or false, not {_show(value)}")
+        return value
+
+    def section(self, key: str) -> "_Fields":
+        return _Fields(self.source, self.raw(key), f"{self.where}.{key}" if self.where else key)
+
+    def layers(self, key: str, n_layer: int, default: Any = _REQUIRED) -> list[int]:
+        """A 1-indexed HF layer list -> sorted 0-based; each layer once, within 1..n_layer."""
+        value = self.raw(key, default)
+        if type(value) is not list or not all(type(i) is int for i in value):
+            raise self.fail(key, f"must be a list of layer numbers, not {_show(value)}")
+        bad = [i for i in value if not 1 <= i <= n_layer]
+        if bad:
+            raise self.fail(key, f"has layers outside 1..{n_layer}: {bad[:8]}{' ...' if len(bad) > 8 else ''}")
+        seen: set[int] = set()
+        twice = next((i for i in value if i in seen or seen.add(i)), None)
+        if twice is not None:
+            raise self.fail(key, f"lists layer {twice} more than once")
+        return sorted(i - 1 for i in value)
+
+
+def _as_float32(value: float) -> float:
+    try:
+        return struct.unpack("<f", struct.pack("<f", value))[0]
+    except OverflowError:           # beyond float32 (or, an int, beyond float64)
+        return math.inf
+
+
+def _show(value: Any, limit: int = 40) -> str:
+    """A value as config.json spells it (null, true, "8", NaN), cut short."""
+    text = json.dumps(value, default=repr)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _parse_hf(raw: Any, source: str) -> KimiConfig:
+    top = _Fields(source, raw)
+    arch = _architecture(top)
+    tc = top.section("text_config")
+    lac = tc.section("linear_attn_config")
+    n_layer, n_head, n_embd = tc.int("num_hidden_layers"), tc.int("num_attention_heads"), tc.int("hidden_size")
+    _require(source, tc.int("num_key_value_heads") == n_head,
+             "text_config.num_key_value_heads must equal num_attention_heads (the kv_b split needs it)")
+    _require(source, lac.int("num_heads") == n_head,
+             "text_config.linear_attn_config.num_heads must equal num_attention_heads")
+    _require(source, tc.raw("mla_use_nope") is True, "text_config.mla_use_nope must be true (K3 MLA is NoPE)")
+    _require(source, tc.raw("hidden_act") == "situ", f"text_config.hidden_act {_show(tc.raw('hidden_act'))} "
+             f"is not 'situ'")
+    _require(source, tc.raw("moe_router_activation_func") == "sigmoid",
+             f"text_config.moe_router_activation_func {_show(tc.raw('moe_router_activation_func'))} "
+             f"is not 'sigmoid'")
+    full = lac.layers("full_attn_layers", n_layer)
+    kda = lac.layers("kda_layers", n_layer, default=[])
     if kda and sorted(set(full) | set(kda)) != list(range(n_layer)) or set(full) & set(kda):
         raise ConfigError(f"{source}: linear_attn_config kda_layers and full_attn_layers "
                           f"must partition layers 1..{n_layer}")
 
-    rms_eps = float(get("rms_norm_eps"))
-    qcfg = tc.get("quantization_config") or raw.get("quantization_config") or {}
-    mxfp4 = (qcfg.get("quant_method") == "compressed-tensors"
-             and qcfg.get("format") == "mxfp4-pack-quantized")
-    n_lat = int(tc.get("routed_expert_hidden_size") or 0)
-    n_ff_exp = int(get("moe_intermediate_size"))
-    if mxfp4 and (n_ff_exp % 32 or (n_lat or int(get("hidden_size"))) % 32):
+    rms_eps = tc.number("rms_norm_eps", above=0)
+    mxfp4 = _experts_mxfp4(top, tc)
+    n_lat = tc.int("routed_expert_hidden_size", least=0, optional=True)
+    n_ff_exp = tc.int("moe_intermediate_size")
+    if mxfp4 and (n_ff_exp % 32 or (n_lat or n_embd) % 32):
         raise ConfigError(f"{source}: MXFP4 experts need moe_intermediate_size and "
                           f"routed_expert_hidden_size divisible by 32")
+    n_expert, n_expert_used = tc.int("num_experts"), tc.int("num_experts_per_token")
+    if n_expert_used > n_expert:
+        raise tc.fail("num_experts_per_token", f"must be at most num_experts ({n_expert}), not {n_expert_used}")
+    n_dense = tc.int("first_k_dense_replace", least=0, optional=True)
+    if n_dense > n_layer:
+        raise tc.fail("first_k_dense_replace", f"must be at most num_hidden_layers ({n_layer}), not {n_dense}")
 
     cfg = KimiConfig(
         arch=arch,
         n_layer=n_layer,
-        n_embd=int(get("hidden_size")),
-        n_vocab=int(get("vocab_size")),
-        n_ctx_train=int(tc.get("max_position_embeddings", 0)),
+        n_embd=n_embd,
+        n_vocab=tc.int("vocab_size"),
+        n_ctx_train=tc.int("max_position_embeddings", optional=True),
         n_head=n_head,
         rms_eps=rms_eps,
-        kda_head_dim=int(get("head_dim", lac, "linear_attn_config")),
-        conv_kernel=int(get("short_conv_kernel_size", lac, "linear_attn_config")),
-        gate_lower_bound=(None if lac.get("gate_lower_bound") is None
-                          else float(lac["gate_lower_bound"])),
-        q_lora_rank=int(tc.get("q_lora_rank") or 0),
-        kv_lora_rank=int(get("kv_lora_rank")),
-        qk_nope_head_dim=int(get("qk_nope_head_dim")),
-        qk_rope_head_dim=int(get("qk_rope_head_dim")),
-        v_head_dim=int(get("v_head_dim")),
-        n_ff=int(get("intermediate_size")),
-        n_dense_layers=int(tc.get("first_k_dense_replace", 0)),
-        n_expert=int(get("num_experts")),
-        n_expert_used=int(get("num_experts_per_token")),
-        n_expert_shared=int(get("num_shared_experts")),
+        kda_head_dim=lac.int("head_dim"),
+        conv_kernel=lac.int("short_conv_kernel_size"),
+        gate_lower_bound=(None if lac.raw("gate_lower_bound", None) is None
+                          else lac.number("gate_lower_bound")),
+        q_lora_rank=tc.int("q_lora_rank", least=0, optional=True),
+        kv_lora_rank=tc.int("kv_lora_rank"),
+        qk_nope_head_dim=tc.int("qk_nope_head_dim"),
+        qk_rope_head_dim=tc.int("qk_rope_head_dim"),
+        v_head_dim=tc.int("v_head_dim"),
+        n_ff=tc.int("intermediate_size"),
+        n_dense_layers=n_dense,
+        n_expert=n_expert,
+        n_expert_used=n_expert_used,
+        n_expert_shared=tc.int("num_shared_experts"),
         n_ff_exp=n_ff_exp,
         n_latent=n_lat,
-        expert_weights_norm=bool(tc.get("moe_renormalize", True)),
-        expert_weights_scale=float(tc.get("routed_scaling_factor", 1.0)),
-        situ_beta=float(get("activation_situ_beta")),
-        situ_linear_beta=float(get("activation_situ_linear_beta")),
-        attn_res_block_size=int(get("attn_res_block_size")),
+        expert_weights_norm=tc.flag("moe_renormalize", True),
+        expert_weights_scale=tc.number("routed_scaling_factor", above=0, default=1.0),
+        situ_beta=tc.number("activation_situ_beta", above=0),             # runtime.situ divides by it
+        situ_linear_beta=tc.number("activation_situ_linear_beta", least=0),  # 0: no clamp of the up path
+        attn_res_block_size=tc.int("attn_res_block_size"),
         full_attn_layers=tuple(full),
-        indexer=_parse_indexer(source, tc, lac, full, n_layer, rms_eps) if arch == ARCH_K31 else None,
+        indexer=_parse_indexer(tc, full, n_layer, rms_eps) if arch == ARCH_K31 else None,
         experts_mxfp4=mxfp4,
-        extra={"bos_token_id": tc.get("bos_token_id", raw.get("bos_token_id")),
-               "eos_token_id": tc.get("eos_token_id", raw.get("eos_token_id")),
-               "pad_token_id": tc.get("pad_token_id", raw.get("pad_token_id"))},
+        extra={f"{kind}_token_id": _token_id(top, tc, kind) for kind in ("bos", "eos", "pad")},
     )
     if arch == ARCH_K31 and cfg.q_lora_rank <= 0:
         raise ConfigError(f"{source}: kimi-k31 needs q_lora_rank > 0 (the indexer reads the q latent)")
@@ -219,42 +300,61 @@ def _require(source: str, ok: bool, message: str) -> None:
         raise ConfigError(f"{source}: {message}")
 
 
-def _layer_list(source: str, one_based: Any, n_layer: int, what: str) -> list[int]:
-    """1-indexed HF layer list -> sorted 0-based list, range-checked."""
-    if not isinstance(one_based, list) or not all(isinstance(i, int) for i in one_based):
-        raise ConfigError(f"{source}: {what} must be a list of layer numbers")
-    bad = [i for i in one_based if not 1 <= i <= n_layer]
-    if bad:
-        raise ConfigError(f"{source}: {what} has layers outside 1..{n_layer}: {bad}")
-    return sorted(i - 1 for i in set(one_based))
+def _architecture(top: _Fields) -> str:
+    archs = top.raw("architectures", None)
+    first = archs[0] if type(archs) is list and archs else None
+    if not isinstance(first, str) or first not in HF_ARCHITECTURES:
+        raise ConfigError(f"{top.source}: unknown architecture {_show(first)}; "
+                          f"expected one of {sorted(HF_ARCHITECTURES)}")
+    return HF_ARCHITECTURES[first]
 
 
-def _pick(source: str, where: dict, field_name: str, ctx: str):
-    for alias in DSA_ALIASES[field_name]:
-        if alias in where:
-            return where[alias]
-    return None
+def _experts_mxfp4(top: _Fields, tc: _Fields) -> bool:
+    """text_config.quantization_config (where the release has it), else the top level's."""
+    for fields in (tc, top):
+        if fields.raw("quantization_config", None) is None:
+            continue
+        q = fields.section("quantization_config")
+        if q.values:
+            return (q.raw("quant_method", None) == "compressed-tensors"
+                    and q.raw("format", None) == "mxfp4-pack-quantized")
+    return False
 
 
-def _parse_indexer(source, tc, lac, full, n_layer, rms_eps) -> IndexerConfig:
-    dsa = tc.get("dsa_config")
-    if dsa is None:
-        dsa = {k: tc[k] for k in ("index_n_heads", "index_head_dim", "index_topk") if k in tc}
-        if not dsa:
-            raise ConfigError(f"{source}: KimiK31 checkpoint has no text_config.dsa_config")
-    values = {f: _pick(source, dsa, f, "dsa_config") for f in DSA_ALIASES}
+def _token_id(top: _Fields, tc: _Fields, kind: str):
+    """text_config's, else the top level's: an id, a list of ids (HF's several eos) or null;
+    vocab.py checks them against the vocabulary."""
+    key = f"{kind}_token_id"
+    fields = tc if key in tc.values else top
+    value = fields.raw(key, None)
+    ids = value if type(value) is list and value else [value]
+    if value is not None and not all(type(i) is int and 0 <= i <= MAX_INT for i in ids):
+        raise fields.fail(key, f"must be a token id or a list of them, not {_show(value)}")
+    return value
+
+
+def _parse_indexer(tc: _Fields, full: list[int], n_layer: int, rms_eps: float) -> IndexerConfig:
+    if tc.raw("dsa_config", None) is not None:
+        dsa = tc.section("dsa_config")
+    else:       # DeepSeek-V3.2 style: the index_* keys in text_config itself
+        dsa = _Fields(tc.source, {k: tc.values[k] for k in ("index_n_heads", "index_head_dim", "index_topk")
+                                  if k in tc.values}, tc.where)
+        if not dsa.values:
+            raise ConfigError(f"{tc.source}: KimiK31 checkpoint has no text_config.dsa_config")
+    keys = {f: next((a for a in aliases if a in dsa.values), None) for f, aliases in DSA_ALIASES.items()}
+    sizes = {}
     for f in ("n_head", "head_dim", "top_k"):
-        if not isinstance(values[f], int) or values[f] <= 0:
-            raise ConfigError(f"{source}: dsa_config needs a positive {'|'.join(DSA_ALIASES[f])} "
-                              f"(got {values[f]!r})")
-    if values["layers"] is not None:
-        dsa_layers = _layer_list(source, values["layers"], n_layer, "dsa_config layer list")
+        if keys[f] is None:
+            raise ConfigError(f"{tc.source}: {dsa.where} needs a positive {'|'.join(DSA_ALIASES[f])}")
+        sizes[f] = dsa.int(keys[f])
+    if keys["layers"] is not None:
+        dsa_layers = dsa.layers(keys["layers"], n_layer)
         if dsa_layers != list(full):
             raise ConfigError(
-                f"{source}: dsa_config layer list {sorted(i + 1 for i in dsa_layers)} does not equal "
+                f"{tc.source}: dsa_config layer list {sorted(i + 1 for i in dsa_layers)} does not equal "
                 f"linear_attn_config.full_attn_layers {sorted(i + 1 for i in full)}")
-    return IndexerConfig(n_head=values["n_head"], head_dim=values["head_dim"],
-                         top_k=values["top_k"], norm_eps=rms_eps)
+    return IndexerConfig(n_head=sizes["n_head"], head_dim=sizes["head_dim"], top_k=sizes["top_k"],
+                         norm_eps=rms_eps)
 
 
 # ------------------------------------------------------------------------------------

@@ -16,32 +16,32 @@ BLOCK_BYTES = 17
 E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
 
 
-_LOW = np.uint64(0x0F0F0F0F0F0F0F0F)
-_HIGH = np.uint64(0xF0F0F0F0F0F0F0F0)
-_FOUR = np.uint64(4)
-
-
 def repack(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    """compressed-tensors (packed [rows, n/2], scale [rows, n/32]) -> ggml bytes [rows, n/32*17].
+    """compressed-tensors (packed [rows, n/2], scale [rows, n/32]) -> ggml bytes [rows, n/32*17]."""
+    rows, half = packed.shape
+    out = np.empty((rows, half * 2 // BLOCK * BLOCK_BYTES), np.uint8)
+    repack_into(packed, scale, out)
+    return out
 
-    A block's 16 packed bytes are read as two words: a = bytes 0-7 (elements 0-15) and
-    b = bytes 8-15 (elements 16-31). ggml's byte 2m is element 2m | element 2m+16 << 4, and
-    byte 2m+1 is element 2m+1 | element 2m+17 << 4, so eight nibble moves at a time give the
-    even output bytes (lo) and the odd ones (hi). This runs ~4x faster than per-nibble arrays.
-    """
+
+def repack_into(packed: np.ndarray, scale: np.ndarray, out: np.ndarray) -> None:
+    """repack, into `out` (uint8 [rows, n/32*17], C-contiguous), by the compiled loop of mxfp4_kernel (numba,
+    loaded on the first call; it releases the GIL, so experts repack on several threads at once)."""
+    from .mxfp4_kernel import repack_blocks     # noqa: PLC0415  (numba only when there is MXFP4 to repack)
     rows, half = packed.shape
     nb = half * 2 // BLOCK
-    if scale.shape != (rows, nb):
+    if half % (BLOCK // 2) or scale.shape != (rows, nb):
         raise ValueError(f"weight_scale shape {scale.shape} does not fit weight_packed {packed.shape}")
-    words = np.ascontiguousarray(packed).reshape(rows * nb, 2, 8).view(np.uint64)[..., 0]
-    a, b = words[:, 0], words[:, 1]
-    lo = (a & _LOW) | ((b & _LOW) << _FOUR)
-    hi = ((a >> _FOUR) & _LOW) | (b & _HIGH)
-    out = np.empty((rows * nb, BLOCK_BYTES), np.uint8)
-    out[:, 0] = scale.reshape(-1)
-    out[:, 1::2] = lo.view(np.uint8).reshape(-1, 8)
-    out[:, 2::2] = hi.view(np.uint8).reshape(-1, 8)
-    return out.reshape(rows, nb * BLOCK_BYTES)
+    if out.shape != (rows, nb * BLOCK_BYTES) or out.dtype != np.uint8 or not out.flags.c_contiguous:
+        raise ValueError(f"output {out.dtype}{list(out.shape)} is not uint8 [{rows}, {nb * BLOCK_BYTES}], C-contiguous")
+    repack_blocks(np.ascontiguousarray(packed, dtype=np.uint8).reshape(-1),
+                  np.ascontiguousarray(scale, dtype=np.uint8).reshape(-1), out.reshape(-1))
+
+
+def load_kernel() -> None:
+    """Import numba and load the compiled repack now (1-3 s, from numba's cache after the first run), e.g. on
+    a thread of its own while other work goes on, instead of at the first repack."""
+    repack(np.zeros((1, BLOCK // 2), np.uint8), np.zeros((1, 1), np.uint8))
 
 
 def unpack(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

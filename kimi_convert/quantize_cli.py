@@ -4,7 +4,7 @@
                 [--tensor-type-file F] [--explain] [--dry-run] [--strict] [--allow-requantize]
                 [--threads N] [--force] [--keep-split | --split-max-size S] [--json REPORT.json]
 
-POLICY is a TOML file or a shipped preset name (docs/policy.md).
+POLICY is a TOML file or a shipped preset name (docs/policy.md); `kimi-quantize --list-presets` lists the presets.
 """
 from __future__ import annotations
 
@@ -17,23 +17,40 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from .cli import (check_report_path, console, fail, human, interrupted, interrupts_raise, note, output, parse_size, progress_bar,
-                  typer_app)
+from .cli import (check_count, check_report_path, console, debug_option, fail, human, interrupted, interrupts_raise,
+                  note, output, parse_size, progress_bar, reading, run_app, typer_app, write_report)
 from .errors import Interrupted, KimiError
 
 app = typer_app(help=__doc__)
+# an OS thread each; far above the CPUs of any machine this runs on, and below what a process may start
+MAX_THREADS = 1024
+
+
+def list_presets(value: bool) -> None:
+    """--list-presets: each shipped preset, what it does and what it requires, then exit."""
+    if not value:
+        return
+    from .quant.policy import load_policy, preset_names
+    for name in preset_names():
+        pol = load_policy(name)
+        needs = f"  (requires: {', '.join(pol.requires)})" if pol.requires else ""
+        output.print(f"{name:<10}  {pol.description}{needs}", highlight=False, markup=False)
+    raise typer.Exit()
 
 
 @app.command()
 def quantize(
-    src: Path = typer.Argument(..., metavar="IN.gguf", help="a kimi-k3 / kimi-k31 GGUF (any part of a split file)"),
-    out: Optional[Path] = typer.Argument(None, metavar="OUT.gguf", help="the quantized file (not needed with "
-                                         "--dry-run or --explain)"),
-    policy: str = typer.Option(..., "--policy", metavar="POLICY", help="policy TOML file or preset name"),
-    imatrix: Optional[Path] = typer.Option(None, "--imatrix", metavar="FILE", help="llama-imatrix file (GGUF or .dat)"),
+    src: Path = typer.Argument(..., readable=False, metavar="IN.gguf",
+                               help="a kimi-k3 / kimi-k31 GGUF (any part of a split file)"),
+    out: Optional[Path] = typer.Argument(None, readable=False, metavar="OUT.gguf",
+                                         help="the quantized file (not needed with --dry-run or --explain)"),
+    policy: str = typer.Option(..., "--policy", metavar="POLICY",
+                               help="policy TOML file or preset name (see --list-presets)"),
+    imatrix: Optional[Path] = typer.Option(None, "--imatrix", readable=False, metavar="FILE",
+                                           help="llama-imatrix file (GGUF or .dat)"),
     tensor_type: List[str] = typer.Option([], "--tensor-type", metavar="RE=TYPE",
                                           help="llama-quantize override, tried before the policy's rules"),
-    tensor_type_file: List[Path] = typer.Option([], "--tensor-type-file", metavar="F",
+    tensor_type_file: List[Path] = typer.Option([], "--tensor-type-file", readable=False, metavar="F",
                                                 help="file of RE=TYPE tokens (white-space separated)"),
     explain: bool = typer.Option(False, "--explain", help="print every tensor's decision and why, then exit"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print sizes, time and RAM estimates, then exit"),
@@ -42,10 +59,16 @@ def quantize(
                                           help="let rules re-quantize already quantized tensors (MXFP4 experts)"),
     threads: int = typer.Option(0, "--threads", metavar="N", help="quantizer threads (default: all cores)"),
     force: bool = typer.Option(False, "--force", help="overwrite an existing output"),
+    resume: bool = typer.Option(False, "--resume", help="keep the finished split parts of an interrupted run of "
+                                "the same plan into OUT (each checked against its manifest journal); write the rest"),
     keep_split: bool = typer.Option(False, "--keep-split", help="one output file per input split file"),
     split_max_size: Optional[str] = typer.Option(None, "--split-max-size", metavar="SIZE",
                                                  help="max bytes per output file, e.g. 50G"),
-    json_file: Optional[Path] = typer.Option(None, "--json", metavar="REPORT.json", help="also write the plan as JSON"),
+    json_file: Optional[Path] = typer.Option(None, "--json", readable=False, metavar="REPORT.json",
+                                             help="also write the plan as JSON"),
+    _presets: bool = typer.Option(False, "--list-presets", is_eager=True, callback=list_presets,
+                                  help="list the shipped presets and exit"),
+    _debug: bool = debug_option(),
 ):
     """Quantize IN.gguf by POLICY into OUT.gguf, in one streaming pass.
 
@@ -53,12 +76,12 @@ def quantize(
     Exit status:
       0      written (with --dry-run / --explain: the plan was printed)
       1      bad input or any other error (nothing written)
+      2      a usage mistake (unknown option, missing argument, a value that is not a number)
       3      not enough free disk for the output (+ 64 MiB)
       128+N  ended by signal N; nothing written
     """
     from .gguf_io import check_split_max_size, open_gguf
-    from .quant.driver import imatrix_coverage, plan_file, quantize_file
-    from .quant.policy import load_policy, tensor_type_rules
+    from .quant.driver import plan_file, quantize_file
     started, result = time.time(), None
     try:
         with interrupts_raise():
@@ -69,18 +92,15 @@ def quantize(
             max_size = parse_size(split_max_size) if split_max_size else 0
             if split_max_size:
                 check_split_max_size(max_size, split_max_size)
+            check_count(threads, "--threads", 0, MAX_THREADS, "one OS thread each; 0 is all cores")
             if json_file is not None:
                 check_report_path(json_file)
-            pol = load_policy(policy).with_tensor_types(tensor_type_rules(tensor_type, tensor_type_file))
-            imat = load_imatrix(imatrix) if imatrix is not None else None
+            pol, imat = load_policy_options(policy, tensor_type, tensor_type_file, imatrix,
+                                            allow_requantize=allow_requantize, plan_only=explain or dry_run)
+            reading(src)
             gf = open_gguf(src)
             plan = plan_file(gf, pol, allow_requantize=allow_requantize, strict=strict)
-            print_conflicts(plan.conflicts)
-            for w in plan.warnings:
-                console.print(f"[yellow]warning:[/] {escape(w)}", highlight=False)
-            if imat is not None:
-                for line in imatrix_coverage(plan, imat):
-                    note(line)
+            report_decisions(plan, imat)
             if explain or dry_run:
                 if explain:
                     print_explain(plan, pol)
@@ -91,14 +111,12 @@ def quantize(
             with progress_bar(plan.target_bytes) as advance:
                 result = quantize_file(src, out, pol, imatrix=imat, allow_requantize=allow_requantize,
                                        strict=strict, force=force, split_max_size=max_size, keep_split=keep_split,
-                                       threads=threads, on_bytes=advance, log=note)
+                                       threads=threads, on_bytes=advance, log=note, resume=resume)
             for line in result.notes:
                 note(line)
             _write_json(json_file, plan, pol)
     except KimiError as e:
         fail(e)
-    except OSError as e:        # one the library did not name: still one line
-        fail(KimiError(f"{e.filename or src}: {e.strerror or e}"))
     except Interrupted as e:
         interrupted(e, out or src, started, result)
     for p in result.paths:
@@ -106,6 +124,33 @@ def quantize(
     console.print(f"wrote {len(plan.decisions)} tensors ({sum(not d.copied for d in plan.decisions)} quantized), "
                   f"{human(plan.target_bytes)} ({plan.target_bytes / max(plan.source_bytes, 1):.1%} of the input) "
                   f"in {result.seconds:.1f} s", highlight=False)
+
+
+def load_policy_options(policy: str, tensor_type: List[str], tensor_type_file: List[Path], imatrix: Optional[Path],
+                        *, allow_requantize: bool, plan_only: bool):
+    """(policy, imatrix or None) from --policy, --tensor-type, --tensor-type-file and --imatrix, with the policy's
+    requirements checked: kimi-quantize and kimi-convert --policy read them alike, before any heavy work."""
+    from .quant.policy import load_policy, tensor_type_rules
+    reading(policy)         # and its --tensor-type rules
+    pol = load_policy(policy).with_tensor_types(tensor_type_rules(tensor_type, tensor_type_file))
+    for line in pol.check_requirements(imatrix=imatrix is not None, allow_requantize=allow_requantize,
+                                       plan_only=plan_only):
+        note(line)
+    if imatrix is None:
+        return pol, None
+    reading(imatrix)
+    return pol, load_imatrix(imatrix)
+
+
+def report_decisions(plan, imat) -> None:
+    """On stderr: the rules that name protected tensors, the warnings, and the imatrix's coverage."""
+    from .quant.driver import imatrix_coverage
+    print_conflicts(plan.conflicts)
+    for w in plan.warnings:
+        console.print(f"[yellow]warning:[/] {escape(w)}", highlight=False)
+    if imat is not None:
+        for line in imatrix_coverage(plan, imat):
+            note(line)
 
 
 def load_imatrix(path: Path):
@@ -126,7 +171,9 @@ def print_conflicts(conflicts) -> None:
 
 def print_explain(plan, pol) -> None:
     """One line per tensor (plain text: greppable, and never wrapped in a pipe)."""
-    output.print(f"# {pol.source}" + (f": {pol.description}" if pol.description else ""), highlight=False)
+    requires = f" (requires: {', '.join(pol.requires)})" if pol.requires else ""
+    output.print(f"# {pol.source}" + (f": {pol.description}" if pol.description else "") + requires,
+                 highlight=False, markup=False)
     width = max(len(d.name) for d in plan.decisions)
     for d in plan.decisions:
         output.print(f"{d.name:<{width}}  {d.source.name:>6} -> {d.target.name:<6} {human(d.target_bytes):>10}  "
@@ -134,9 +181,17 @@ def print_explain(plan, pol) -> None:
 
 
 def print_dry_run(plan) -> None:
+    e = print_dry_run_table(plan, "kimi-quantize plan")
+    output.print(f"input {human(plan.source_bytes)} ({plan.source_bytes:,} bytes) -> output {human(plan.target_bytes)} "
+                 f"({plan.target_bytes:,} bytes of tensor data); estimated peak RAM "
+                 f"{human(e.peak_ram)}; time from this machine's measured kernel speed ({e.basis})", highlight=False)
+
+
+def print_dry_run_table(plan, title: str):
+    """Output bytes and estimated time per class and type, and the total (also kimi-convert --policy --dry-run's)."""
     from .quant.driver import estimate
     e = estimate(plan)
-    t = Table(title="kimi-quantize plan")
+    t = Table(title=title)
     for col in ("type", "tensors", "bytes", "est. time"):
         t.add_column(col, justify="left" if col == "type" else "right")
     for row in e.rows:
@@ -144,8 +199,7 @@ def print_dry_run(plan) -> None:
     t.add_row("[bold]total", f"[bold]{len(plan.decisions)}", f"[bold]{human(plan.target_bytes)}",
               f"[bold]{e.seconds:.1f} s")
     output.print(t)
-    output.print(f"input {human(plan.source_bytes)} -> output {human(plan.target_bytes)}; estimated peak RAM "
-                 f"{human(e.peak_ram)}; time from this machine's measured kernel speed ({e.basis})", highlight=False)
+    return e
 
 
 def _write_json(path: Optional[Path], plan, pol) -> None:
@@ -156,11 +210,8 @@ def _write_json(path: Optional[Path], plan, pol) -> None:
             for d in plan.decisions]
     report = {"policy": pol.source, "input_bytes": plan.source_bytes, "output_bytes": plan.target_bytes,
               "tensors": rows, "conflicts": [c.describe() for c in plan.conflicts], "warnings": plan.warnings}
-    try:
-        path.write_text(json.dumps(report, indent=2) + "\n")
-    except OSError as e:
-        raise KimiError(f"{path}: cannot write the report ({e.strerror or e})") from None
+    write_report(path, json.dumps(report, indent=2) + "\n")
 
 
 def main() -> None:
-    app(prog_name="kimi-quantize")
+    run_app(app, "kimi-quantize")

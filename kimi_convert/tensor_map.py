@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
+from gguf import GGMLQuantizationType as QT
+
 from .constants import HF_DROPPED_PREFIXES, HF_TEXT_PREFIX, T, tname
 from .model import KimiConfig
 
@@ -150,12 +152,13 @@ def sanitize(hf_name: str) -> str | None:
     return name
 
 
-def expert_sources(rule: Rule, bid: int, n_expert: int, mxfp4: bool) -> list[tuple[str, ...]]:
-    """Per expert: (weight_packed, weight_scale) names, or (weight,) for a BF16 checkpoint."""
-    base = [rule.hf[0].format(bid=bid, e=e) for e in range(n_expert)]
-    if mxfp4:
-        return [(b + ".weight_packed", b + ".weight_scale") for b in base]
-    return [(b + ".weight",) for b in base]
+def expert_sources(rule: Rule, bid: int, n_expert: int, mxfp4: bool, prefix: str = "") -> list[tuple[str, ...]]:
+    """Per expert: (weight_packed, weight_scale) names, or (weight,) for a BF16 checkpoint; `prefix` +
+    the canonical name (HF_TEXT_PREFIX gives the release's spelling). The layer is formatted in once, the
+    expert by concatenation: the real model has 494,592 of these names."""
+    head, tail = (prefix + rule.hf[0]).format(bid=bid, e="{e}").split("{e}")
+    suffixes = (".weight_packed", ".weight_scale") if mxfp4 else (".weight",)
+    return [tuple(f"{head}{e}{tail}{s}" for s in suffixes) for e in range(n_expert)]
 
 
 def gguf_shape(rule: Rule, c: KimiConfig) -> Shape:
@@ -182,6 +185,20 @@ def gguf_tensors(c: KimiConfig) -> dict[str, tuple[Rule, Shape]]:
     for il in range(c.n_layer):
         out |= {tname(r.gguf, il): (r, gguf_shape(r, c)) for r in LAYER_RULES if LAYER_KINDS[r.when](c, il)}
     return out
+
+
+def stored_type(rule: Rule, c: KimiConfig, float_type: QT) -> QT:
+    """The type kimi-convert writes a tensor in: MXFP4 experts stay MXFP4, `f32` rules are F32 (as llama.cpp's
+    converter keeps them), the rest `float_type` (--outtype)."""
+    if rule.transform == EXPERTS and c.experts_mxfp4:
+        return QT.MXFP4
+    return QT.F32 if rule.f32 else float_type
+
+
+def gguf_tensor_types(c: KimiConfig, float_type: QT = QT.BF16) -> list[tuple[str, Shape, QT]]:
+    """(name, numpy shape, stored type) of every tensor kimi-convert writes for config `c`: the input of
+    quant.plan.plan_quantization, so a policy is sized on a config alone, without a file."""
+    return [(name, shape, stored_type(rule, c, float_type)) for name, (rule, shape) in gguf_tensors(c).items()]
 
 
 # ------------------------------------------------------------------------------------

@@ -53,7 +53,7 @@ from .checkpoint import NUMPY_DTYPE, Checkpoint, SourceTensor, bf16_to_f32, f32_
 from .convert import OUTTYPES, ssm_a
 from .constants import INDEXER_MATRIX_TYPES, Key, T, key
 from .errors import KimiError
-from .gguf_io import GGUFFile, GGUFTensor, gguf_parts, open_gguf, read_gguf, same_shape, tensor_nbytes
+from .gguf_io import GGUFFile, GGUFTensor, gguf_parts, open_gguf, read_gguf, same_shape
 from .model import KimiConfig
 from .quant.driver import imatrix_vectors, quantize_rows, row_chunks
 from .quant.plan import Decision, QuantPlan
@@ -349,36 +349,20 @@ def check_structure(part: Part, path: Path) -> Part:
         return part.finish("a split part is missing")
     n_tensors, unreadable = 0, 0
     for p in parts:
-        size = p.stat().st_size
         try:
-            r = read_gguf(p)
+            r = read_gguf(p)        # checks alignment, sizes, bounds and overlaps; names the first fault
         except KimiError as e:
             part.fail(str(e))
             unreadable += 1
             continue
-        align = int(r.alignment)
-        ranges = []
-        for t in r.tensors:
-            rel = int(t.data_offset) - int(r.data_offset)
-            qt = QT(t.tensor_type)
-            shape = tuple(int(x) for x in reversed(t.shape.tolist()))
-            want = tensor_nbytes(qt, shape)
-            if rel % align:
-                part.fail(f"{p.name}: {t.name} data offset {rel} is not a multiple of the alignment {align}")
-            if int(t.n_bytes) != want:
-                part.fail(f"{p.name}: {t.name} holds {t.n_bytes} bytes, {qt.name}{list(shape)} needs {want}")
-            ranges.append((int(t.data_offset), int(t.data_offset) + want, t.name))
-        ranges.sort()
-        for (a0, a1, an), (b0, b1, bn) in zip(ranges, ranges[1:]):
-            if b0 < a1:
-                part.fail(f"{p.name}: tensors {an} and {bn} overlap")
-        n_tensors += len(r.tensors)
-        part.rows.append({"file": p.name, "bytes": size, "tensors": len(r.tensors), "alignment": align,
-                          "gguf_version": int(r.fields["GGUF.version"].parts[-1][0]) if "GGUF.version" in r.fields
-                          else None, "data_offset": int(r.data_offset)})
+        (layout,) = r.parts
+        n_tensors += layout.n_tensors
+        part.rows.append({"file": p.name, "bytes": layout.size, "tensors": layout.n_tensors,
+                          "alignment": layout.alignment, "gguf_version": layout.version,
+                          "data_offset": layout.data_offset})
         if len(parts) > 1:
             no = r.fields.get("split.no")
-            if no is None or int(no.parts[-1][0]) != parts.index(p):
+            if not isinstance(no, int) or no != parts.index(p):
                 part.fail(f"{p.name}: split.no is missing or not {parts.index(p)}")
     part.figures = {"files": len(parts), "tensors": n_tensors, "unreadable": unreadable}
     if unreadable:

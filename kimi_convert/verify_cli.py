@@ -4,6 +4,7 @@
   kimi-verify slice HF_DIR OUT_DIR --layers 8          (or --layers 0-3,91-92)
   kimi-verify check HF_DIR FILE.gguf [--json report.json] [--imatrix F] [--max-kl X]
   kimi-verify check FILE.gguf                          (no checkpoint: the file on its own)
+  kimi-verify check FILE.gguf --manifest M             (every byte against the writer's SHA-256 manifest)
 
 `check` exits 0 only if every part passes; docs/verification.md explains each part and
 its tolerances.
@@ -11,6 +12,7 @@ its tolerances.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import List, Optional
 
@@ -18,11 +20,15 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from .cli import check_report_path, console as err, fail, human, output as out, typer_app
-from .errors import KimiError
+from .cli import (check_count, check_input_file, check_report_path, console as err, debug_option, fail, human,
+                  interrupted, interrupts_raise, output as out, reading, run_app, typer_app, write_report)
+from .errors import Interrupted, KimiError
 
 app = typer_app(help=__doc__, no_args_is_help=True)     # out: the report (stdout); err: progress, errors
 SHOW_FAILURES = 20
+# Kimi-K3's context (max_position_embeddings); the ids alone take 8 bytes each before the runtime's RAM
+# estimate (quadratic in the length) can refuse the run
+MAX_LENGTH = 1 << 20
 
 
 # --------------------------------------------------------------------------------------
@@ -30,19 +36,27 @@ SHOW_FAILURES = 20
 
 @app.command("slice")
 def slice_cmd(
-    hf_dir: Path = typer.Argument(..., help="full Kimi-K3 / K3.1-Pro checkpoint folder"),
-    out_dir: Path = typer.Argument(..., help="folder for the sliced checkpoint"),
+    hf_dir: Path = typer.Argument(..., readable=False, help="full Kimi-K3 / K3.1-Pro checkpoint folder"),
+    out_dir: Path = typer.Argument(..., readable=False, help="folder for the sliced checkpoint"),
     layers: str = typer.Option("8", "--layers", help="a count (default selection keeps every layer kind) "
                                "or 0-based layers and ranges, e.g. 0-3,91-92"),
     force: bool = typer.Option(False, "--force", help="overwrite a non-empty OUT_DIR"),
+    _debug: bool = debug_option(),
 ):
     """Write a real N-layer checkpoint from a full one, streamed by byte ranges."""
     from .convert import peak_rss
+    from .gguf_io import remove_stale, stale_partials
     from .slice import slice_checkpoint
+    started, r = time.time(), None
     try:
-        r = slice_checkpoint(hf_dir, out_dir, layers, force=force)
+        with interrupts_raise():            # SIGTERM and SIGHUP unwind through the slice's cleanup too
+            reading(hf_dir)
+            remove_stale(stale_partials(out_dir), lambda s: err.print(s, highlight=False, markup=False))
+            r = slice_checkpoint(hf_dir, out_dir, layers, force=force)
     except KimiError as e:
         fail(e)
+    except Interrupted as e:
+        interrupted(e, out_dir, started, r)
     c = r.config
     t = Table(title=f"{c.arch} slice: {len(r.layers)} layers -> {out_dir}")
     for col in ("layer", "from", "attention", "ffn"):
@@ -63,45 +77,78 @@ def slice_cmd(
 
 @app.command("check")
 def check_cmd(
-    paths: List[Path] = typer.Argument(..., help="[HF_DIR] FILE.gguf (any part of a split file)"),
-    json_file: Optional[Path] = typer.Option(None, "--json", help="also write the full report as JSON"),
+    paths: List[Path] = typer.Argument(..., readable=False, help="[HF_DIR] FILE.gguf (any part of a split file)"),
+    json_file: Optional[Path] = typer.Option(None, "--json", readable=False, help="also write the full report as JSON"),
     length: int = typer.Option(32, "--length", help="tokens in the test sequence"),
     seed: int = typer.Option(0, "--seed", help="seed of the test sequence"),
-    imatrix: Optional[Path] = typer.Option(None, "--imatrix", help="the imatrix the file was quantized with "
-                                           "(its quantized tensors are recomputed with it, byte for byte)"),
+    imatrix: Optional[Path] = typer.Option(None, "--imatrix", readable=False, help="the imatrix the file was "
+                                           "quantized with (its quantized tensors are recomputed with it, byte for "
+                                           "byte)"),
     max_kl: Optional[float] = typer.Option(None, "--max-kl", help="fail when the mean KL (nats) of the file's "
                                            "logits against the unquantized checkpoint's is above this"),
+    manifest: Optional[Path] = typer.Option(None, "--manifest", metavar="M", readable=False, help="check FILE (or "
+                                            "its whole split "
+                                            "set) byte for byte against the manifest kimi-convert / kimi-quantize "
+                                            "wrote beside it (OUT.gguf.manifest.json); needs no checkpoint"),
+    _debug: bool = debug_option(),
 ):
     """Check FILE.gguf against HF_DIR (tensors, metadata, logits, K3.1 indexer, perplexity, quantization
-    cost), or on its own (structure, tensors, metadata, forward pass)."""
+    cost), or on its own (structure, tensors, metadata, forward pass), or against its manifest."""
+    if manifest is not None:
+        return check_against_manifest(paths, manifest, json_file,
+                                      other=[f for f, v in (("--imatrix", imatrix), ("--max-kl", max_kl)) if v])
     from .verify import verify
     try:
         hf_dir, gguf = _split_args(paths)
+        check_count(length, "--length", 2, MAX_LENGTH, "Kimi-K3's context")
+        check_count(seed, "--seed", 0)
         if json_file is not None:
             check_report_path(json_file)          # before the work, not after it
+        reading(gguf)
         report = verify(gguf, hf_dir, length=length, seed=seed, imatrix=imatrix, max_kl=max_kl,
                         log=lambda s: err.print(f"[dim]{s}[/]", highlight=False))
+        print_report(report)
+        if json_file is not None:
+            write_report(json_file, json.dumps(report.to_dict(), indent=2) + "\n")
     except KimiError as e:
         fail(e)
-    print_report(report)
-    if json_file is not None:
-        try:
-            json_file.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
-        except OSError as e:
-            fail(KimiError(f"{json_file}: cannot write the report ({e.strerror or e})"))
     raise typer.Exit(0 if report.ok else 1)
+
+
+def check_against_manifest(paths: List[Path], manifest: Path, json_file: Optional[Path], other: List[str]) -> None:
+    """check --manifest: each difference on a line of its own, then one summary line; exit 1 on any."""
+    from .gguf_io.manifest import check_manifest
+    try:
+        if other:
+            raise KimiError(f"{other[0]} does not apply to check --manifest (it compares bytes only)")
+        if len(paths) != 1:
+            raise KimiError("check --manifest takes one FILE.gguf (any part of a split set), and no checkpoint")
+        if json_file is not None:
+            check_report_path(json_file)
+        reading(paths[0])
+        result = check_manifest(paths[0], manifest)
+        for d in result.differences:
+            out.print(d.line(), highlight=False, markup=False, soft_wrap=True)
+        out.print(result.summary(), highlight=False, markup=False, soft_wrap=True)
+        if json_file is not None:
+            write_report(json_file, json.dumps(result.to_json(), indent=2) + "\n")
+    except KimiError as e:
+        fail(e)
+    raise typer.Exit(0 if result.ok else 1)
 
 
 def _split_args(paths: List[Path]) -> tuple[Optional[Path], Path]:
     if len(paths) == 1:
         if paths[0].is_dir():
             raise KimiError(f"{paths[0]}: is a folder; give a GGUF file (and the checkpoint folder before it)")
+        check_input_file(paths[0])
         return None, paths[0]
     if len(paths) == 2:
         a, b = paths
         hf, gguf = (a, b) if a.is_dir() or not b.is_dir() else (b, a)
         if not hf.is_dir():
             raise KimiError(f"{hf}: not a checkpoint folder")
+        check_input_file(gguf)
         return hf, gguf
     raise KimiError("check takes FILE.gguf, or HF_DIR FILE.gguf")
 
@@ -163,4 +210,4 @@ def _num(v) -> str:
 
 
 def main() -> None:
-    app(prog_name="kimi-verify")
+    run_app(app, "kimi-verify")

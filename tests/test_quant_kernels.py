@@ -275,3 +275,30 @@ def test_bad_arguments():
         quantize(x, QT.IQ2_XXS)
     with pytest.raises(ValueError, match="2-D"):
         quantize(np.zeros(96, np.float32), QT.Q8_0)
+
+
+@pytest.mark.parametrize("source", [QT.BF16, QT.F16, QT.F32, QT.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_K, QT.IQ4_XS], ids=lambda t: t.name)
+def test_stored_rows_quantize_as_their_float32_values(source, qtype):
+    """quantize(stored rows, source=T) widens each few rows on the quantizing thread: the bytes must be those
+    of quantizing the rows' float32 values (ggml's to_float, then ggml_quantize_chunk), for any thread count."""
+    rng = np.random.default_rng(7)
+    x = DISTRIBUTIONS["normal"](rng, (300, 512))            # rows > CACHE_VALUES // 512: several steps
+    stored = quantize(x, source)
+    values = ggml.ggml_dequantize(stored, source, 512)
+    weights = rng.random(512).astype(np.float32)
+    for imatrix in (None, weights):
+        ref = ggml.ggml_quantize(values, qtype, imatrix)
+        for threads in (1, 2, 3):
+            ours = quantize(stored, qtype, imatrix, threads=threads, source=source)
+            assert np.array_equal(ours, ref), f"{source.name}->{qtype.name} threads={threads}"
+
+
+def test_mxfp4_rows_requantize_as_their_values():
+    """MXFP4 is only read (experts under --allow-requantize): its rows widen through gguf-py's dequantizer."""
+    from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize
+    x = DISTRIBUTIONS["normal"](np.random.default_rng(8), (64, 512))
+    stored = gguf_quantize(x, QT.MXFP4)
+    values = gguf_dequantize(stored, QT.MXFP4)
+    assert np.array_equal(dequantize(stored, QT.MXFP4), values)
+    assert np.array_equal(quantize(stored, QT.Q2_K, source=QT.MXFP4), ggml.ggml_quantize(values, QT.Q2_K))

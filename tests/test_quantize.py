@@ -138,3 +138,34 @@ def test_keep_split_and_split_max_size(k3_bf16, tmp_path):
     assert set(whole.tensors) == set(gf.tensors)
     single = quantize_file(k3_bf16, tmp_path / "one.gguf", policy('default = "Q8_0"\n')).paths[0]
     assert all(whole.tensors[n].raw.tobytes() == t.raw.tobytes() for n, t in open_gguf(single).tensors.items())
+
+
+def _quantize_peak_rss(src, out) -> int:
+    """Peak RSS (bytes) of a fresh process that quantizes src to Q8_0, as its own VmHWM: the child's mm is
+    new at exec (wait4's ru_maxrss would carry over the forking pytest process's peak)."""
+    import subprocess
+    import sys
+    code = ("import sys\nfrom kimi_convert.quant.driver import quantize_file\n"
+            "from kimi_convert.quant.policy import parse_policy\n"
+            "quantize_file(sys.argv[1], sys.argv[2], parse_policy('default = \"Q8_0\"', 'test'))\n"
+            "print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1])\n")
+    done = subprocess.run([sys.executable, "-c", code, str(src), str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return int(done.stdout.split()[-1]) * 1024
+
+
+def test_peak_rss_does_not_grow_with_the_file(tmp_path):
+    """Rows are read with pread into a reused buffer, never through the memory map, whose touched pages would
+    count in the RSS: a file 3x bigger (32 -> 96 BF16 experts, 0.2 -> 0.6 GB) must not raise the peak by more
+    than 24 MiB (it grew by ~400 MiB through the map). Both outputs exceed the writer's 96 MiB of O_DIRECT
+    staging buffers, which a smaller output would not touch in full."""
+    peaks = []
+    for n_experts in (32, 96):
+        hf = make_checkpoint(tmp_path / f"hf{n_experts}", arch="k3", n_layers=2, experts_mxfp4=False,
+                             hidden=1024, moe_intermediate_size=1024, routed_expert_hidden_size=1024,
+                             num_experts=n_experts, num_experts_per_token=4, seed=2)
+        src = tmp_path / f"k3-{n_experts}.gguf"
+        convert(build_plan(hf, "bf16"), src)
+        peaks.append(_quantize_peak_rss(src, tmp_path / f"q-{n_experts}.gguf"))
+        assert src.stat().st_size > (2 << 20) * n_experts      # the experts are most of the file
+    assert peaks[1] - peaks[0] < 24 << 20, f"peak RSS {peaks[0] >> 20} -> {peaks[1] >> 20} MiB"

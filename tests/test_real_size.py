@@ -3,9 +3,12 @@ it, and the converter's RAM estimate against measured peaks.
 
 The expected figures are written out here from shared/reference/k3-hf-format.md (sections 1-5) and
 k31-indexer.md, not taken from the generator, so each test compares two independent sources.
-Run time on 2 busy cores: about 2 minutes for the module: generating the real-size K3 and K3.1
-checkpoints (10-25 s each), the dry run in a subprocess (15-25 s), the data-less GGUF of the real
-K3 (13-18 s) and a 73,284-tensor conversion (20-27 s). Disk use: about 500 MB (the shards are holes).
+Run time on 2 cores: 4-6 minutes for the module at a load of 3-6 (others' jobs): generating the real-size
+K3 and K3.1 checkpoints (20-35 s each), the data-less GGUF of the real K3 (20-30 s) and its 3.4 GB imatrix
+(holes, 3 s), the plain dry run and one dry run per preset in subprocesses (12-35 s each), kimi-quantize's
+plan of the GGUF per preset (4-16 s each: k3-q2 reads the whole imatrix, as the run does) and a
+73,284-tensor conversion (20-60 s). Disk use: about 500 MB (the shards are holes); the imatrix's 3.4 GB of holes pass
+through the page cache.
 """
 from __future__ import annotations
 
@@ -24,14 +27,18 @@ import numpy as np
 import pytest
 import safetensors
 
+from kimi_convert import mxfp4
 from kimi_convert.checkpoint import Checkpoint
 from kimi_convert.errors import CheckpointError, DiskSpaceError
-from kimi_convert.convert import (BASE_RSS, INDEX_BYTES_PER_TENSOR, VOCAB_BYTES_PER_TOKEN, WRITE_BUFFERS,
-                                  _produce, build_plan)
+from kimi_convert.convert import (BASE_RSS, INDEX_BYTES_PER_TENSOR, REPACK_THREADS, VOCAB_BYTES_PER_TOKEN,
+                                  WRITE_BUFFERS, _produce, build_plan)
 from kimi_convert.fixtures.make_checkpoint import FixtureSpec, make_checkpoint, tensor_plan
 from kimi_convert.fixtures.real_size import (make_sparse_checkpoint, real_spec, safetensors_header,
-                                             write_sparse_gguf)
+                                             write_sparse_gguf, write_sparse_model_imatrix)
 from kimi_convert.model import KimiConfig
+from kimi_convert.quant.plan import plan_quantization
+from kimi_convert.quant.policy import load_policy
+from kimi_convert.tensor_map import gguf_tensor_types
 
 MiB = 1 << 20
 
@@ -73,6 +80,33 @@ def real_k31(tmp_path_factory):
     return make_sparse_checkpoint(tmp_path_factory.mktemp("real31") / "Kimi-K3.1-Pro", arch="k31")
 
 
+@pytest.fixture(scope="module")
+def real_k3_gguf(real_k3, tmp_path_factory):
+    """What `kimi-convert` writes for the real K3, its 1.56 TB of data a hole."""
+    return write_sparse_gguf(real_k3.path, tmp_path_factory.mktemp("gguf") / "Kimi-K3-BF16.gguf")
+
+
+@pytest.fixture(scope="module")
+def real_k3_imatrix(real_k3, tmp_path_factory):
+    """An importance matrix of the real size for it (k3-q2 requires one): the counts real, the sums a hole."""
+    return write_sparse_model_imatrix(real_k3.path, tmp_path_factory.mktemp("imatrix") / "Kimi-K3.imatrix.gguf")
+
+
+PRESETS = ("q8_0", "k3-native", "k3-q4", "k3-q2")
+
+
+def preset_options(preset: str, imatrix) -> list:
+    """What a preset requires of a run: k3-q2 an imatrix and --allow-requantize."""
+    return ["--imatrix", imatrix.path, "--allow-requantize"] if preset == "k3-q2" else []
+
+
+def planned_by_config(hf_dir: Path, preset: str):
+    """The preset's decisions from the config alone (tensor_map.gguf_tensor_types: the tensors kimi-convert
+    writes), as docs/policy.md sizes the presets: the figure every dry run must agree with."""
+    cfg = KimiConfig.from_hf_dir(hf_dir)
+    return plan_quantization(gguf_tensor_types(cfg), load_policy(preset), allow_requantize=preset == "k3-q2")
+
+
 # Linux carries a process's peak RSS across exec, and a child forked from this test process (which
 # has just generated a 497k-tensor checkpoint) would start with this process's peak. So a small
 # python forks the command afresh and writes the command's own ru_maxrss (os.wait4) to a file.
@@ -97,6 +131,10 @@ def run_measured(cmd: list[str], report: Path) -> tuple[int, str, int]:
 
 def kimi_convert(*args) -> list[str]:
     return [sys.executable, "-m", "kimi_convert", *map(str, args)]
+
+
+def kimi_quantize(*args) -> list[str]:
+    return [sys.executable, "-c", "from kimi_convert.quantize_cli import main; main()", *map(str, args)]
 
 
 # --- the generator --------------------------------------------------------------------------
@@ -145,6 +183,24 @@ def test_k3_is_the_release_inventory(real_k3):
     assert by_class == {"experts": N_MOE * E * EXPERT_BYTES, "vision": VISION_BYTES}
     assert ckpt.tensors["language_model.model.layers.0.self_attn.A_log"].shape == (128,)
     assert ckpt.tensors["language_model.model.layers.3.self_attn.kv_b_proj.weight"].shape == (24576, 512)
+
+
+def test_shards_hold_what_the_release_puts_in_them(real_k3):
+    """k3-hf-format.md section 1: shard k holds layer k-1 (model-00002: layer 1 with its experts), 94 the
+    embeddings, head, final norm and output residual scores, 95 the projector, 96 the vision tower."""
+    weight_map = json.loads((real_k3.path / "model.safetensors.index.json").read_text())["weight_map"]
+    contents: dict[int, set[str]] = {}
+    for name, shard in weight_map.items():
+        layer = re.match(r"language_model\.model\.layers\.(\d+)\.", name)
+        part = f"layer {layer[1]}" if layer else name.split(".")[0] if not name.startswith("language_model.") \
+            else "globals"
+        contents.setdefault(int(shard[6:11]), set()).add(part)
+    assert contents == {**{k: {f"layer {k - 1}"} for k in range(1, 94)},
+                        94: {"globals"}, 95: {"mm_projector"}, 96: {"vision_tower"}}
+    globals_ = sorted(n for n, s in weight_map.items() if s.startswith("model-00094"))
+    assert globals_ == ["language_model.lm_head.weight", "language_model.model.embed_tokens.weight",
+                        "language_model.model.norm.weight", "language_model.model.output_attn_res_norm.weight",
+                        "language_model.model.output_attn_res_proj.weight"]
 
 
 def test_shards_are_holes_that_read_as_zeros(real_k3):
@@ -261,6 +317,25 @@ def test_dry_run_on_the_real_k3(real_k3, tmp_path):
     assert planning + WRITE_BUFFERS < estimate < 1 << 30
 
 
+@pytest.mark.parametrize("preset", PRESETS)
+def test_one_pass_dry_run_on_the_real_k3(preset, real_k3, real_k3_imatrix, tmp_path):
+    """`kimi-convert --policy P --dry-run`: the quantized plan of all 497,220 source tensors, its size what the
+    config alone implies for the preset, within 1 GiB (issue 8: "in seconds, what each preset will weigh").
+    (K3.1-Pro's figures are in docs/performance.md; its plan is test_k31_adds_the_indexer_on_the_mla_layers'.)"""
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    rc, out, peak = run_measured(kimi_convert(real_k3.path, out_dir / "q.gguf", "--dry-run", "--policy", preset,
+                                              *preset_options(preset, real_k3_imatrix)), tmp_path / "rss")
+    assert not list(out_dir.iterdir())
+    planned = planned_by_config(real_k3.path, preset)
+    room = shutil.disk_usage(out_dir).free >= planned.target_bytes + (64 << 20)
+    assert rc == (0 if room else DiskSpaceError.exit_code), out
+    assert f"tensor data {planned.target_bytes:,} bytes" in out, out
+    assert re.search(rf"total\s*\S*\s+{K3_GGUF_TENSORS}\s", out), out
+    # the index, plan, vocabulary and quantizer (numba and the kernels it times) are what it holds
+    assert peak < 1 << 30, peak / MiB
+
+
 # --- the data-less GGUF ------------------------------------------------------------------------
 
 def test_sparse_gguf_is_the_converters_file_without_data(tmp_path):
@@ -277,8 +352,8 @@ def test_sparse_gguf_is_the_converters_file_without_data(tmp_path):
     assert a[sparse.data_offset:] != bytes(len(a) - sparse.data_offset)
 
 
-def test_sparse_gguf_of_the_real_k3(real_k3, tmp_path):
-    g = write_sparse_gguf(real_k3.path, tmp_path / "Kimi-K3-BF16.gguf")
+def test_sparse_gguf_of_the_real_k3(real_k3_gguf):
+    g = real_k3_gguf
     with open(g.path, "rb") as f:
         magic, version, n_tensors, n_kv = struct.unpack("<4sIQQ", f.read(24))
     assert (magic, version, n_tensors) == (b"GGUF", 3, K3_GGUF_TENSORS)
@@ -286,6 +361,45 @@ def test_sparse_gguf_of_the_real_k3(real_k3, tmp_path):
     assert K3_GGUF_BYTES <= g.size - g.data_offset < K3_GGUF_BYTES + 32 * K3_GGUF_TENSORS
     assert g.path.stat().st_size == g.size
     assert g.path.stat().st_blocks * 512 <= g.data_offset + MiB       # the header only is on disk
+
+
+def test_sparse_imatrix_is_llama_imatrix_layout_at_the_real_size(real_k3, real_k3_imatrix):
+    from kimi_convert.fixtures.imatrix import collected, unrouted
+    from kimi_convert.gguf_io import read_gguf
+    gf = read_gguf(real_k3_imatrix.path)
+    shapes = {name: shape for name, shape, _ in gguf_tensor_types(KimiConfig.from_hf_dir(real_k3.path))}
+    weights = collected(shapes)
+    assert set(gf.tensors) == {n + s for n in weights for s in (".in_sum2", ".counts")}
+    assert gf.fields["general.type"] == "imatrix" and gf.fields["imatrix.datasets"] == ["calib.txt"]
+    name = "blk.7.ffn_gate_exps.weight"
+    assert gf.tensors[name + ".in_sum2"].shape == (E, L)
+    counts = np.asarray(gf.tensors[name + ".counts"].raw).reshape(-1)
+    assert sorted(np.flatnonzero(counts == 0)) == sorted(unrouted(name, E)) and counts.max() > 0
+    # 92 layers x (2 x 896 x 3584 + 896 x 3072) float32 sums, the 3.4 GB of a real K3 imatrix
+    assert real_k3_imatrix.size > N_MOE * 4 * E * (2 * L + I)
+    assert real_k3_imatrix.path.stat().st_blocks * 512 < 32 * MiB     # the header and the counts only
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_quantize_plan_of_the_real_k3_gguf(preset, real_k3, real_k3_gguf, real_k3_imatrix, tmp_path):
+    """`kimi-quantize --policy P --explain --dry-run` on the real K3's GGUF header: every decision and the
+    output size are the config's, within 1 GiB, and nothing is written."""
+    report, out_file = tmp_path / "plan.json", tmp_path / "q.gguf"
+    rc, out, peak = run_measured(kimi_quantize("--policy", preset, "--explain", "--dry-run", "--json", report,
+                                               *preset_options(preset, real_k3_imatrix), real_k3_gguf.path,
+                                               out_file), tmp_path / "rss")
+    assert rc == 0, out[-3000:]
+    assert not out_file.exists()
+    planned = planned_by_config(real_k3.path, preset)
+    assert f"({planned.target_bytes:,} bytes of tensor data)" in out, out[-3000:]
+    doc = json.loads(report.read_text())
+    assert doc["output_bytes"] == planned.target_bytes
+    want = {d.name: d.target.name for d in planned.decisions}
+    assert len(doc["tensors"]) == len(want) and {r["tensor"]: r["to"] for r in doc["tensors"]} == want
+    # --explain: one line per tensor, "name  SOURCE -> TARGET  size  why"
+    explained = dict(m.group(1, 3) for m in re.finditer(r"^(\S+)\s+(\w+) -> (\w+)\s", out, re.M))
+    assert explained == want
+    assert peak < 1 << 30, peak / MiB
 
 
 # --- the RAM estimate against measured peaks ---------------------------------------------------
@@ -353,15 +467,17 @@ def _traced_peak(plan, first: str, measured: str, max_chunks: int = 8) -> int:
     ("bf16", "blk.1.attn_k_b.weight", "blk.1.attn_k_b.weight", 0),
     ("bf16", "blk.1.attn_k_b.weight", "blk.1.attn_v_b.weight", 0),       # k_b waits in the queue
     ("bf16", "blk.1.ffn_gate_inp.weight", "blk.1.ffn_gate_inp.weight", 0),
-    ("bf16", "blk.1.ffn_gate_exps.weight", "blk.1.ffn_gate_exps.weight", 1),
+    ("bf16", "blk.1.ffn_gate_exps.weight", "blk.1.ffn_gate_exps.weight", REPACK_THREADS),
     ("f32", "blk.1.attn_k_b.weight", "blk.1.attn_v_b.weight", 0),
     ("f32", "token_embd.weight", "token_embd.weight", 0),
 ])
 def test_work_estimate_at_real_widths(real_widths, outtype, first, measured, mapped):
     """Each transform's work figure against what its producer allocates (numpy's buffers are
-    traced); an expert's source is memory-mapped, outside tracemalloc, so it is added."""
+    traced); the MXFP4 experts are read into a buffer per repack thread, an anonymous map outside
+    tracemalloc, so those are added."""
     plan = build_plan(real_widths, outtype)
     p = next(t for t in plan.tensors if t.name == measured)
+    mxfp4.repack(np.zeros((1, 16), np.uint8), np.zeros((1, 1), np.uint8))   # numba's load is REPACK_RSS, not work
     used = _traced_peak(plan, first, measured) + mapped * sum(s.nbytes for s in p.sources[0])
     # within 1 MiB below (interpreter objects around the buffers) and at most 35% above
     assert used - MiB <= p.work_bytes <= 1.35 * used, (measured, used / MiB, p.work_bytes / MiB)

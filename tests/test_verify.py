@@ -350,9 +350,11 @@ def test_a_truncated_gguf_says_truncated(tmp_path, converted):
     data = converted("k3", "f32").read_bytes()
     size = len(data) - 1000
     cut = next(t for t in open_gguf(converted("k3", "f32")).tensors.values() if t.offset + t.nbytes > size)
-    for kept, says in ((data[:size], f"truncated: tensor {cut.name} ends at byte {cut.offset + cut.nbytes}, "
-                                     f"the file has {size} bytes"),
-                       (data[:3000], "truncated: the header goes on past byte 3000, the end of the file")):
+    end = cut.offset + cut.nbytes
+    for kept, says in ((data[:size], f"truncated: tensor {cut.name} ends at byte {end}, "
+                                     f"the file has {size} bytes ({end - size} missing)"),
+                       (data[:3000], "truncated, or a damaged count: the header counts 218 tensors, which the "
+                                     "2976 bytes left cannot hold (each takes at least 32)")):
         f = tmp_path / "cut.gguf"
         f.write_bytes(kept)
         assert verify(f).part("structure").failures == [f"{f}: {says}"]

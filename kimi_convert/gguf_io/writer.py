@@ -6,11 +6,18 @@ chunk, so no tensor (a 4.9 GB stacked expert tensor, say) is ever held whole. Fi
 are written into a hidden partial folder beside the output (`.OUT.partial-PID`) and
 renamed into place only when every byte is down: an error, or a signal that raises
 (see errors.Interrupted), leaves nothing behind. A partial folder whose process is gone
-(SIGKILL, a crash) is found by `stale_partials` for the next run to remove.
+(SIGKILL, a crash) is removed by the next run into the same output, or taken over by one
+with `resume`: the parts its journal lists as finished are kept (manifest.py). Each tensor is
+hashed as it streams past, and OUT.gguf.manifest.json is renamed into place after the
+file(s) it describes. A lock file (`.OUT.lock`, flock) keeps a second run out while one writes.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
+import hashlib
+import io
 import mmap
 import os
 import queue
@@ -24,8 +31,10 @@ from typing import Any, Callable, Iterable, Iterator, Union
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGUFValueType, GGUFWriter
 from gguf import GGMLQuantizationType as QT
+from gguf.gguf_writer import WriterState
 
 from ..errors import CheckpointError, DiskSpaceError, OutputError
+from . import manifest as mf
 
 COPY_CHUNK = 64 << 20
 
@@ -169,19 +178,85 @@ def remove_stale(stale: list[Path], log: Callable[[str], None]) -> None:
         log(f"removed {p}: a partial output of process {p.name.rsplit('-', 1)[1]}, which is gone")
 
 
+def lock_path(out: Path) -> Path:
+    return Path(out).parent / f".{Path(out).name}.lock"
+
+
+NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL)   # file systems without flock (some FUSE and NFS)
+
+
+@contextlib.contextmanager
+def output_lock(out: Path) -> Iterator[Path]:
+    """Hold `.OUT.lock` (flock) while `out` is written, so that a second run into the same output refuses.
+    The kernel drops a flock when its process ends, however it ends: a lock file left by SIGKILL blocks
+    nothing. The file holds the holder's pid, for the second run's message; it is removed at the end."""
+    path = lock_path(out)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            os.close(fd)
+            who = f"process {holder}" if holder.isdigit() else "another process"
+            raise OutputError(f"{out}: another run ({who}) is writing this output now ({path} is locked); "
+                              f"wait for it to end, or stop it") from None
+        except OSError as e:
+            if e.errno not in NO_LOCKS:
+                os.close(fd)
+                raise
+        if _same_file(path, fd):
+            break
+        os.close(fd)        # its holder removed it between our open and our lock: lock the new one
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield path
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        os.close(fd)
+
+
+def _same_file(path: Path, fd: int) -> bool:
+    try:
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def _split_setting(max_size: int, max_tensors: int) -> str:
+    limits = [f"{max_size:,} bytes"] * bool(max_size) + [f"{max_tensors} tensors"] * bool(max_tensors)
+    return " and ".join(limits) or "none"
+
+
 class GGUFStreamWriter:
-    """Collects metadata, then writes a (possibly split) GGUF from streamed tensors.
+    """Collects metadata, then writes a (possibly split) GGUF from streamed tensors, and its manifest.
 
     Every OSError of the writing ends as one OutputError naming the output (DiskSpaceError for
-    a full disk or quota), after the partial folder is removed."""
+    a full disk or quota), after the partial folder is removed.
 
-    def __init__(self, out: Path, arch: str, *, split_max_tensors: int = 0,
-                 split_max_size: int = 0, force: bool = False):
+    `tool` names the command in the manifest. `inputs` (the files the bytes come from) and `settings`
+    (option -> value, for the options that shape the bytes) make, with the split limits and the headers,
+    the run's plan: `resume` takes over an interrupted run's partial folder only if its plan is the same.
+    `manifest=False` hashes nothing and writes no manifest (measuring what hashing costs).
+    """
+
+    def __init__(self, out: Path, arch: str, *, split_max_tensors: int = 0, split_max_size: int = 0,
+                 force: bool = False, tool: str = "kimi-convert", inputs: Iterable[Path] = (),
+                 settings: dict[str, str] | None = None, resume: bool = False, manifest: bool = True,
+                 log: Callable[[str], None] = lambda s: None):
+        if resume and not manifest:
+            raise ValueError("resume needs the manifest's journal")
         self.out = Path(out)
         self.force = force
         self.tmp_dir = partial_dir(self.out)
         self.meta = GGUFWriter(self.tmp_dir / self.out.name, arch,
                                split_max_tensors=split_max_tensors, split_max_size=split_max_size)
+        self.tool, self.inputs, self.settings = tool, list(inputs), dict(settings or {})
+        self.split = _split_setting(split_max_size, split_max_tensors)
+        self.resume, self.manifest, self.log = resume, manifest, log
+        self.journal: Path | None = None
 
     def add_kv(self, key: str, value: Any, vtype: GGUFValueType, sub_type: GGUFValueType | None = None):
         self.meta.add_key_value(key, value, vtype, sub_type)
@@ -200,15 +275,17 @@ class GGUFStreamWriter:
         files = self.plan_files(tensors)
         finals = split_paths(self.out, len(files))
         check_output_paths(finals, self.force)
+        if mf.manifest_path(self.out).is_dir():
+            raise OutputError(f"{mf.manifest_path(self.out)}: is a folder; the manifest of {self.out} goes there")
         try:
-            if self.tmp_dir.exists():
-                shutil.rmtree(self.tmp_dir)
-            self.tmp_dir.mkdir()
-            _commit(self._write_all(files, on_bytes), finals)
+            with output_lock(self.out):
+                heads = self._headers()
+                kept = self._take_over(finals, heads)
+                entries = self._write_all(files, finals, heads, kept, on_bytes)
+                self._commit(entries, finals)
         except OSError as e:
             raise self._write_error(e) from None
         finally:
-            self._close_quietly()
             shutil.rmtree(self.tmp_dir, ignore_errors=True)
         return finals
 
@@ -221,36 +298,159 @@ class GGUFStreamWriter:
                                f"allows ({reason}); nothing was written")
         return OutputError(f"{self.out}: cannot write ({reason}); nothing was written")
 
-    def _close_quietly(self) -> None:
-        """Close every part even if flushing one fails (a full disk fails them all)."""
-        for f in self.meta.fout or []:
-            try:
-                f.close()
-            except OSError:
-                pass
-        self.meta.fout = None
-
-    def _write_all(self, files: list[list[OutTensor]], on_bytes) -> list[Path]:
+    def _headers(self) -> list[bytes]:
+        """Each part's bytes before its first tensor (header, keys, tensor infos, padding), made in memory by
+        GGUFWriter: written at the start of the part, hashed into the plan, and what kept parts must match."""
         m = self.meta
-        m.write_header_to_file()
-        m.write_kv_data_to_file()
-        m.write_ti_data_to_file()
-        temps = [Path(f.name) for f in m.fout]
-        ordered = [(fout, t) for fout, part in zip(m.fout, files) for t in part]
-        with SourceFiles() as sources, Prefetch(t for _, t in ordered) as chunks:
-            for fout, part in zip(m.fout, files):
-                _pad(fout, m.data_alignment)
-                with open_sink(fout) as sink:
-                    for t in part:
-                        written = 0
-                        for chunk in chunks.of(t):
-                            n = sink.put(chunk, sources)
-                            written += n
-                            on_bytes(n)
-                        if written != t.nbytes:
-                            raise CheckpointError(f"{t.name}: produced {written} bytes, expected {t.nbytes}")
-                        sink.pad(m.data_alignment)
-        return temps
+        m.fout, m.state = [io.BytesIO() for _ in m.tensors], WriterState.EMPTY
+        try:
+            m.write_header_to_file()
+            m.write_kv_data_to_file()
+            m.write_ti_data_to_file()
+            for f in m.fout:
+                f.write(bytes(-f.tell() % m.data_alignment))
+            return [f.getvalue() for f in m.fout]
+        finally:
+            m.fout = None
+
+    def _plan(self, heads: list[bytes]) -> dict[str, str]:
+        layout = hashlib.sha256(b"".join(hashlib.sha256(h).digest() for h in heads)).hexdigest()
+        return {"tool": mf.tool_version(self.tool), **self.settings, "split": self.split,
+                "input": mf.input_digest(self.inputs), "layout": layout}
+
+    def _take_over(self, finals: list[Path], heads: list[bytes]) -> dict[int, mf.FileEntry]:
+        """Clear the way (under the lock): partial folders of dead runs are removed, saying so; with `resume`
+        the newest one with a journal of the same plan becomes ours, with the finished parts it lists that
+        still check out (part index -> entry)."""
+        stale = stale_partials(self.out)
+        plan = self._plan(heads) if self.manifest else {}
+        previous = self._resumable(stale, plan) if self.resume else None
+        remove_stale([p for p in stale if previous is None or p != previous[0]], self.log)
+        kept: dict[int, mf.FileEntry] = {}
+        if previous is None:
+            self.tmp_dir.mkdir()
+        else:
+            os.rename(previous[0], self.tmp_dir)
+            kept = self._kept_parts(previous[0], previous[1], finals, heads)
+        if self.manifest:
+            self.journal = mf.start_journal(self.tmp_dir, plan, [kept[i] for i in sorted(kept)])
+        return kept
+
+    def _resumable(self, stale: list[Path], plan: dict[str, str]) -> tuple[Path, list[mf.FileEntry]] | None:
+        found = [(p, j) for p in stale if (j := mf.read_journal(p)) is not None]
+        if not found:
+            self.log(f"--resume: no partial output of an earlier run into {self.out} (with a journal) is left; "
+                     f"writing all of it")
+            return None
+        folder, (old_plan, entries) = max(found, key=lambda pj: _mtime(mf.journal_path(pj[0])))
+        differences = mf.plan_differences(old_plan, plan)
+        if differences:
+            raise OutputError(f"{self.out}: --resume: {folder} was written by a run with another plan: "
+                              f"{'; '.join(differences)} differ; run without --resume to remove it and start over")
+        return folder, entries
+
+    def _kept_parts(self, folder: Path, entries: list[mf.FileEntry], finals: list[Path],
+                    heads: list[bytes]) -> dict[int, mf.FileEntry]:
+        """The journal's finished parts whose bytes still match it (each read once and hashed); every other
+        file of the folder (the part being written when the run stopped) is removed."""
+        index = {p.name: i for i, p in enumerate(finals)}
+        kept: dict[int, mf.FileEntry] = {}
+        if entries:
+            self.log(f"--resume: checking the {len(entries)} finished part(s) that the journal of {folder} lists "
+                     f"({sum(e.size for e in entries):,} bytes)")
+        for e in entries:
+            i = index.get(e.name)
+            if i is None or e.header_sha256 != hashlib.sha256(heads[i]).hexdigest():
+                continue                    # not this plan's part (the plans are equal: cannot happen)
+            differences, _ = mf.check_file(self.tmp_dir / e.name, e)
+            if differences:
+                first = differences[0].line().removeprefix(f"{e.name}: ")
+                self.log(f"--resume: {e.name} is not as its journal says ({first}); writing it again")
+            else:
+                kept[i] = e
+        keep = {finals[i].name for i in kept} | {mf.JOURNAL_NAME}
+        for p in self.tmp_dir.iterdir():
+            if p.name not in keep:
+                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+        self.log(f"--resume: took over {folder}, a partial output of process {folder.name.rsplit('-', 1)[1]}, "
+                 f"which is gone: kept {len(kept)} of {len(finals)} part(s) "
+                 f"({sum(kept[i].size for i in kept):,} bytes), each checked against its journal; writing the rest")
+        return kept
+
+    def _write_all(self, files: list[list[OutTensor]], finals: list[Path], heads: list[bytes],
+                   kept: dict[int, mf.FileEntry], on_bytes) -> list[mf.FileEntry]:
+        entries = dict(kept)
+        if kept:
+            on_bytes(sum(t.nbytes for i in kept for t in files[i]))
+        todo = [i for i in range(len(files)) if i not in kept]
+        with SourceFiles() as sources, Prefetch(t for i in todo for t in files[i]) as chunks:
+            for i in todo:
+                entries[i] = self._write_part(self.tmp_dir / finals[i].name, heads[i], files[i], chunks, sources,
+                                              on_bytes)
+                heads[i] = b""              # the first part's holds the vocabulary: ~10 MB on the real K3
+                if self.journal is not None:
+                    mf.journal_part(self.journal, entries[i])
+        return [entries[i] for i in range(len(files))]
+
+    def _write_part(self, path: Path, head: bytes, part: list[OutTensor], chunks: "Prefetch",
+                    sources: "SourceFiles", on_bytes) -> mf.FileEntry:
+        """One file, durable when this returns: its header, then its tensors streamed (and hashed as they
+        pass), each padded to the alignment."""
+        align = self.meta.data_alignment
+        tensors, offset = [], len(head)
+        fout = open(path, "wb")
+        try:
+            fout.write(head)
+            with open_sink(fout) as sink:
+                for t in part:
+                    sink.digest = hashlib.sha256() if self.manifest else None
+                    written = 0
+                    for chunk in chunks.of(t):
+                        n = sink.put(chunk, sources)
+                        written += n
+                        on_bytes(n)
+                    if written != t.nbytes:
+                        raise CheckpointError(f"{t.name}: produced {written} bytes, expected {t.nbytes}")
+                    sink.pad(align)
+                    tensors.append((t, offset, sink.digest))
+                    offset += mf.padded(t.nbytes, align)
+            size = os.fstat(fout.fileno()).st_size
+        except BaseException:
+            with contextlib.suppress(OSError):      # a full disk fails the flush too; the first error counts
+                fout.close()
+            raise
+        fout.close()
+        if size != offset:
+            raise OutputError(f"{path}: {size} bytes written, the layout has {offset} (please report)")
+        entries = [mf.TensorEntry(t.name, t.qtype.name, tuple(int(d) for d in t.shape), at, t.nbytes,
+                                  digest.hexdigest() if digest is not None else "")      # complete now
+                   for t, at, digest in tensors]
+        return mf.FileEntry(path.name, size, len(head), hashlib.sha256(head).hexdigest(), entries)
+
+    def _commit(self, entries: list[mf.FileEntry], finals: list[Path]) -> None:
+        """The parts, then the manifest (never one without its files), renamed into place; then the folder
+        synced, so that the renames survive a power cut."""
+        temps = [self.tmp_dir / p.name for p in finals]
+        target = mf.manifest_path(self.out)
+        if self.manifest:
+            mf.write_manifest(self.tmp_dir / target.name, mf.Manifest(mf.tool_version(self.tool), entries))
+            _commit([*temps, self.tmp_dir / target.name], [*finals, target])
+        else:
+            target.unlink(missing_ok=True)      # an earlier file's manifest (--force) would not describe this one
+            _commit(temps, finals)
+        with contextlib.suppress(OSError):
+            fd = os.open(self.out.parent, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+def _mtime(path: Path) -> int:
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return 0
 
 
 def _commit(temps: list[Path], finals: list[Path]) -> None:
@@ -337,16 +537,48 @@ def open_sink(fout) -> "DirectSink | BufferedSink":
 
 
 class BufferedSink:
-    """Plain buffered writes, flushed in the background as they go."""
+    """Plain buffered writes, flushed in the background as they go.
+
+    Both sinks hash what they write into `digest` when the writer sets one (the manifest's per-tensor
+    SHA-256), from the bytes on their way to the file: no second pass over the output."""
+    HASH_BLOCK = 8 << 20          # a file range is read through a buffer this size when it is hashed
 
     def __init__(self, fout):
         self.fout = fout
         self.writeback = _Writeback(fout)
+        self.digest = None
+        self._buf: memoryview | None = None
 
     def put(self, chunk: Chunk, sources: "SourceFiles") -> int:
-        n = _write_chunk(self.fout, chunk, sources)
+        if self.digest is None:
+            n = _write_chunk(self.fout, chunk, sources)
+        elif isinstance(chunk, FileRange):
+            n = self._copy_hashed(chunk, sources.fd(chunk.path))
+        else:
+            data = _bytes_view(chunk)
+            self.digest.update(data)
+            n = self.fout.write(data)
         self.writeback.wrote(n)
         return n
+
+    def _copy_hashed(self, r: FileRange, src: int) -> int:
+        """A file range read once through a buffer, hashed and written (instead of copy_file_range, which
+        never shows the bytes)."""
+        if self._buf is None:
+            self._buf = memoryview(bytearray(self.HASH_BLOCK))
+        offset, left = r.offset, r.length
+        while left:
+            view = self._buf[:min(left, self.HASH_BLOCK)]
+            try:
+                n = os.preadv(src, [view], offset)
+            except OSError as e:
+                raise CheckpointError(f"{r.path}: cannot read ({e.strerror or e})") from None
+            if n == 0:
+                raise CheckpointError(f"{r.path}: ends before byte {offset + left} (truncated shard?)")
+            self.digest.update(view[:n])
+            self.fout.write(view[:n])
+            offset, left = offset + n, left - n
+        return r.length
 
     def pad(self, align: int) -> None:
         _pad(self.fout, align)
@@ -372,6 +604,10 @@ class DirectSink:
     the write, or a file size limit that is not a multiple of the page) or cuts short is done
     again, and every later one, with plain buffered writes: they either succeed or fail with
     the real reason (EFBIG, ENOSPC).
+
+    The manifest's hashes are taken by a hashing thread between the two, from each staging buffer
+    before it goes to the I/O thread (the tensor bytes of it, in order): filling, hashing and writing
+    then overlap, one buffer each. A tensor's `digest` is complete once the sink has closed.
     """
     PAGE = 4096
     STAGE = 32 << 20
@@ -388,14 +624,19 @@ class DirectSink:
             self.free.put(mmap.mmap(-1, self.STAGE))  # anonymous maps are page-aligned
         self.todo: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
+        self.digest = None                            # set by the writer per tensor: see BufferedSink
+        self.segments: list[list] = []                # [digest, start, end] of the tensor bytes in self.buf
         self.buf, self.fill = self.free.get(), 0
         reader = os.open(fout.name, os.O_RDONLY)
         try:
             head = os.pread(reader, pos - self.file_off, self.file_off)
         finally:
             os.close(reader)
-        self._stage(memoryview(head))
+        self._stage(memoryview(head), hashed=False)
+        self.to_hash: queue.Queue = queue.Queue()
+        self.hasher = threading.Thread(target=self._hash, daemon=True)
         self.io = threading.Thread(target=self._io, daemon=True)
+        self.hasher.start()
         self.io.start()
 
     @property
@@ -405,23 +646,33 @@ class DirectSink:
     def put(self, chunk: Chunk, sources: "SourceFiles") -> int:
         if isinstance(chunk, FileRange):
             return self._stage_range(chunk, sources.fd(chunk.path))
-        if isinstance(chunk, np.ndarray):
-            chunk = memoryview(np.ascontiguousarray(chunk)).cast("B")
-        self._stage(memoryview(chunk).cast("B"))
-        return len(chunk)
+        data = _bytes_view(chunk)
+        self._stage(data)
+        return len(data)
 
     def pad(self, align: int) -> None:
         if self.position % align:
-            self._stage(memoryview(bytes(align - self.position % align)))
+            self._stage(memoryview(bytes(align - self.position % align)), hashed=False)
 
-    def _stage(self, data: memoryview) -> None:
+    def _stage(self, data: memoryview, hashed: bool = True) -> None:
         while len(data):
             n = min(self.STAGE - self.fill, len(data))
             self.buf[self.fill:self.fill + n] = data[:n]
+            if hashed:
+                self._to_hash(n)
             self.fill += n
             data = data[n:]
             if self.fill == self.STAGE:
                 self._submit()
+
+    def _to_hash(self, n: int) -> None:
+        """The n bytes staged at self.fill belong to the current tensor's digest."""
+        if self.digest is None:
+            return
+        if self.segments and self.segments[-1][0] is self.digest and self.segments[-1][2] == self.fill:
+            self.segments[-1][2] += n
+        else:
+            self.segments.append([self.digest, self.fill, self.fill + n])
 
     def _stage_range(self, r: FileRange, src: int) -> int:
         offset, left = r.offset, r.length
@@ -435,6 +686,7 @@ class DirectSink:
                 view.release()
             if n == 0:
                 raise CheckpointError(f"{r.path}: ends before byte {offset + left} (truncated shard?)")
+            self._to_hash(n)
             self.fill, offset, left = self.fill + n, offset + n, left - n
             if self.fill == self.STAGE:
                 self._submit()
@@ -443,13 +695,24 @@ class DirectSink:
     def _submit(self) -> None:
         if self.error is not None:
             raise self.error
-        self.todo.put((self.buf, self.fill, self.file_off))
+        self.to_hash.put((self.buf, self.fill, self.file_off, self.segments))
         self.file_off += self.fill
-        self.buf, self.fill = self.free.get(), 0
+        self.buf, self.fill, self.segments = self.free.get(), 0, []
+
+    def _hash(self) -> None:
+        """Hash each buffer's tensor bytes (if the writer asked for digests), then hand it on to the I/O thread."""
+        while (item := self.to_hash.get()) is not None:
+            try:
+                if self.error is None:
+                    _hash_segments(item[0], item[3])
+            except BaseException as e:      # raised in the writer's thread at the next submit
+                self.error = e
+            self.todo.put(item)
+        self.todo.put(None)
 
     def _io(self) -> None:
         while (item := self.todo.get()) is not None:
-            buf, n, offset = item
+            buf, n, offset, _ = item
             try:
                 if self.error is None:
                     self._write(buf, n, offset)
@@ -483,7 +746,8 @@ class DirectSink:
         end = self.position
         if exc[0] is None and self.fill:
             self._submit()
-        self.todo.put(None)
+        self.to_hash.put(None)              # the hasher passes the end on to the I/O thread
+        self.hasher.join()
         self.io.join()
         try:
             if exc[0] is None:
@@ -494,6 +758,13 @@ class DirectSink:
         finally:
             os.close(self.fd)
         self.fout.seek(end)
+
+
+def _hash_segments(buf: mmap.mmap, segments: list[list]) -> None:
+    with memoryview(buf) as view:
+        for digest, start, end in segments:
+            with view[start:end] as part:
+                digest.update(part)             # hashlib lets go of the GIL on large buffers
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -558,6 +829,13 @@ class SourceFiles:
     def __exit__(self, *exc):
         for fd in self.fds.values():
             os.close(fd)
+
+
+def _bytes_view(chunk) -> memoryview:
+    """The bytes of an array or buffer chunk, without a copy when it is contiguous."""
+    if isinstance(chunk, np.ndarray):
+        chunk = np.ascontiguousarray(chunk)
+    return memoryview(chunk).cast("B")
 
 
 def _write_chunk(fout, chunk: Chunk, sources: SourceFiles) -> int:

@@ -8,10 +8,11 @@ IQ4_NL and IQ4_XS always run ``quantize_row_iq4_nl_impl`` with ntry=7 (weights x
 """
 from __future__ import annotations
 
+import gc
 import os
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
-from typing import Callable, ClassVar
+from typing import Callable, ClassVar, Iterable
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
@@ -49,26 +50,23 @@ class BlockType:
         return n_per_row // cls.block_size * cls.type_size
 
     @classmethod
-    def quantize_rows(cls, x: np.ndarray, imatrix: np.ndarray | None, threads: int) -> np.ndarray:
+    def quantize_rows(cls, x: np.ndarray, imatrix: np.ndarray | None, out: np.ndarray) -> None:
         """x: float32 [n_rows, n_per_row], C-contiguous, n_per_row a multiple of block_size (checked by the
-        caller). The rows are cut into ``threads`` contiguous ranges, quantized at once (the kernels drop the GIL)."""
-        out = np.empty((x.shape[0], cls.row_size(x.shape[1])), np.uint8)
+        caller) -> its bytes into ``out`` [n_rows, row_size], on this thread (the kernels drop the GIL)."""
         if imatrix is not None and cls._impl is not None:
-            def run(a, b):
-                cls._impl(x[a:b], imatrix, out[a:b])
+            cls._impl(x, imatrix, out)
         else:
-            def run(a, b):
-                cls._ref(x[a:b], cls._out_view(out[a:b]))
-        bounds = np.linspace(0, x.shape[0], max(1, min(threads, x.shape[0])) + 1).astype(int)
-        if len(bounds) == 2:
-            run(0, x.shape[0])
-        else:
-            list(_pool(len(bounds) - 1).map(run, bounds[:-1], bounds[1:]))
-        return out
+            cls._ref(x, cls._out_view(out))
 
     @classmethod
     def _out_view(cls, out: np.ndarray) -> np.ndarray:
         return out
+
+    @classmethod
+    def to_float32(cls, data: np.ndarray, buf: np.ndarray) -> np.ndarray:
+        """Stored rows (block bytes, or values) -> float32 [n_rows, n_per_row], as ggml's to_float; into
+        ``buf`` where the type can (gguf-py's dequantizers, equal to ggml's, allocate their own)."""
+        return np.asarray(_gguf_quants.dequantize(data, cls.qtype), dtype=np.float32)
 
 
 @lru_cache(maxsize=None)
@@ -87,8 +85,12 @@ class F32(BlockType, qtype=QT.F32):
     mirrors = "memcpy"
 
     @classmethod
-    def quantize_rows(cls, x, imatrix, threads):
-        return x.view(np.uint8).copy()
+    def to_float32(cls, data, buf):
+        return data.view(np.float32)
+
+    @classmethod
+    def quantize_rows(cls, x, imatrix, out):
+        out[:] = x.view(np.uint8)
 
 
 class F16(BlockType, qtype=QT.F16):
@@ -99,6 +101,11 @@ class F16(BlockType, qtype=QT.F16):
     def _out_view(cls, out):
         return out.view(np.uint16)
 
+    @classmethod
+    def to_float32(cls, data, buf):
+        np.copyto(buf, data.view(np.float16))    # exact, as ggml_fp16_to_fp32
+        return buf
+
 
 class BF16(BlockType, qtype=QT.BF16):
     mirrors = "ggml_fp32_to_bf16_row_ref"
@@ -107,6 +114,13 @@ class BF16(BlockType, qtype=QT.BF16):
     @classmethod
     def _out_view(cls, out):
         return out.view(np.uint16)
+
+    @classmethod
+    def to_float32(cls, data, buf):
+        # gguf-py's BF16 dequantizer makes three temporaries of the whole chunk; BF16 is what most
+        # kimi-quantize inputs hold, so widen in place, in the kernel
+        kernels.bf16_to_f32_rows(data.view(np.uint16), buf.view(np.uint32))
+        return buf
 
 
 # --- 32-element blocks ---
@@ -219,6 +233,23 @@ def supported_types() -> tuple[QT, ...]:
     return tuple(_REGISTRY)
 
 
+class StoredType:
+    """Rows of a ggml type that is read but never written here (MXFP4 experts under --allow-requantize):
+    widened to float32 by gguf-py's dequantizer, which equals ggml's to_float."""
+
+    def __init__(self, qtype: QT):
+        self.qtype = QT(qtype)
+        self.block_size, self.type_size = GGML_QUANT_SIZES[self.qtype]
+
+    def to_float32(self, data: np.ndarray, buf: np.ndarray) -> np.ndarray:
+        return np.asarray(_gguf_quants.dequantize(data, self.qtype), dtype=np.float32)
+
+
+def source_type(qtype: QT) -> "type[BlockType] | StoredType":
+    """What reads rows stored as ``qtype``: its block type, or a StoredType for a type that is only copied."""
+    return _REGISTRY[QT(qtype)] if QT(qtype) in _REGISTRY else StoredType(qtype)
+
+
 # --- the API: quantize, dequantize, validate ---
 
 class InvalidBlockError(ValueError):
@@ -237,37 +268,95 @@ def row_size(qtype: QT, n_per_row: int) -> int:
     return bt.row_size(n_per_row)
 
 
-def quantize(values: np.ndarray, qtype: QT, imatrix: np.ndarray | None = None, *,
-             threads: int | None = None) -> np.ndarray:
-    """float32 [n_rows, n_per_row] -> uint8 [n_rows, row_size]: ggml_quantize_chunk's bytes for these rows.
+CACHE_VALUES = 32 << 10       # values a thread widens at a time: 128 KiB of float32 stays in its L2 cache
 
+
+def quantize(values: np.ndarray, qtype: QT, imatrix: np.ndarray | None = None, *,
+             threads: int | None = None, source: QT = QT.F32) -> np.ndarray:
+    """[n_rows, n_per_row] rows -> uint8 [n_rows, row_size]: ggml_quantize_chunk's bytes for these rows.
+
+    ``values``: float32 values, or rows as stored in a GGUF of type ``source`` (block bytes or values); each
+    is converted to float32 exactly as ggml's to_float does, a few rows at a time on the thread that then
+    quantizes them, so the float32 copy of a chunk never leaves the cache.
     ``imatrix``: float32 [n_per_row] importance weights (one per column), or None. As in ggml it selects the
     ``_impl`` quantizer of the types that have one and is ignored by Q8_0 and the float types.
     ``threads``: rows are quantized on this many threads (default: the CPUs available); the bytes do not
     depend on it. Safe to call from several threads at once."""
-    bt = block_type(qtype)
-    x = np.ascontiguousarray(values, dtype=np.float32)
-    if x.ndim != 2:
-        raise ValueError(f"{bt.qtype.name}: values must be 2-D [n_rows, n_per_row], got shape {x.shape}")
-    row_size(bt.qtype, x.shape[1])
+    bt, src = block_type(qtype), source_type(source)
+    rows = _stored_rows(values, src)
+    n_per_row = rows.shape[1] // src.type_size * src.block_size if rows.dtype == np.uint8 else rows.shape[1]
+    row_size(bt.qtype, n_per_row)
     qw = None
     if imatrix is not None and bt.uses_imatrix():
         qw = np.ascontiguousarray(imatrix, dtype=np.float32)
-        if qw.shape != (x.shape[1],):
-            raise ValueError(f"{bt.qtype.name}: imatrix has shape {qw.shape}, rows have {x.shape[1]} columns")
+        if qw.shape != (n_per_row,):
+            raise ValueError(f"{bt.qtype.name}: imatrix has shape {qw.shape}, rows have {n_per_row} columns")
     if threads is not None and threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
-    return bt.quantize_rows(x, qw, threads or default_threads())
+    out = np.empty((rows.shape[0], bt.row_size(n_per_row)), np.uint8)
+
+    def run(a: int, b: int) -> None:
+        step = max(1, CACHE_VALUES // n_per_row)
+        buf = np.empty((min(step, b - a), n_per_row), np.float32)
+        for r in range(a, b, step):
+            e = min(r + step, b)
+            x = src.to_float32(rows[r:e], buf[:e - r])
+            bt.quantize_rows(np.ascontiguousarray(x, dtype=np.float32), qw, out[r:e])
+
+    _on_threads(run, rows.shape[0], threads or default_threads())
+    return out
 
 
-def dequantize(data: np.ndarray, qtype: QT) -> np.ndarray:
-    """uint8 [n_rows, row_size] -> float32 [n_rows, n_per_row] (gguf-py's dequantizers, equal to ggml's)."""
-    bt = block_type(qtype)
-    data = np.ascontiguousarray(data, dtype=np.uint8)
-    if data.shape[-1] % bt.type_size:
-        raise ValueError(f"{bt.qtype.name}: {data.shape[-1]} bytes per row is not a multiple of {bt.type_size}")
-    out = np.asarray(_gguf_quants.dequantize(data, bt.qtype), dtype=np.float32)
-    return out.copy() if np.shares_memory(out, data) else out  # F32 comes back as a view of the input
+def load_kernels(pairs: Iterable[tuple[QT, QT, bool]]) -> None:
+    """Load the compiled kernels of these (source, target, with imatrix) conversions now (numba's cache,
+    ~0.5 s the first time in a process), then freeze the objects numba made for it: the cyclic collector
+    would otherwise scan them at every full collection and again at exit, ~0.4 s of CPU per run."""
+    for source, target, weighted in set(pairs):
+        source = source if source in (QT.F16, QT.BF16) else QT.F32     # the others widen in numpy
+        n = 256                                   # a multiple of every block size
+        stored = quantize(np.zeros((1, n), np.float32), source, threads=1)
+        quantize(stored, target, np.ones(n, np.float32) if weighted else None, threads=1, source=source)
+    gc.freeze()
+
+
+def _stored_rows(values: np.ndarray, src: "type[BlockType] | StoredType") -> np.ndarray:
+    """2-D C-contiguous rows: float32 values for F32, else the stored bytes (uint8) or values (f16/bf16 bits)."""
+    if src.qtype == QT.F32:
+        rows = np.ascontiguousarray(values)
+        rows = rows.view(np.float32) if rows.dtype == np.uint8 else rows.astype(np.float32, copy=False)
+    else:
+        rows = np.ascontiguousarray(values)
+        if rows.dtype == np.uint8 and rows.ndim == 2 and rows.shape[1] % src.type_size:
+            raise ValueError(f"{src.qtype.name}: {rows.shape[1]} bytes per row is not a multiple of "
+                             f"{src.type_size}")
+    if rows.ndim != 2:
+        raise ValueError(f"values must be 2-D [n_rows, n_per_row], got shape {rows.shape}")
+    return rows
+
+
+def _on_threads(run: Callable[[int, int], None], n_rows: int, threads: int) -> None:
+    """run(a, b) over ``threads`` contiguous row ranges at once (the kernels drop the GIL)."""
+    bounds = np.linspace(0, n_rows, max(1, min(threads, n_rows)) + 1).astype(int)
+    if len(bounds) == 2:
+        run(0, n_rows)
+    else:
+        list(_pool(len(bounds) - 1).map(run, bounds[:-1].tolist(), bounds[1:].tolist()))
+
+
+def dequantize(data: np.ndarray, qtype: QT, *, threads: int | None = None) -> np.ndarray:
+    """uint8 [n_rows, row_size] (or stored values) -> float32 [n_rows, n_per_row], equal to ggml's to_float,
+    on ``threads`` threads (default: the CPUs available). A new array, never a view of ``data``."""
+    bt = source_type(qtype)
+    rows = _stored_rows(data, bt)
+    n_per_row = rows.shape[1] // bt.type_size * bt.block_size if rows.dtype == np.uint8 else rows.shape[1]
+    out = np.empty((rows.shape[0], n_per_row), np.float32)
+
+    def run(a: int, b: int) -> None:
+        x = bt.to_float32(rows[a:b], out[a:b])
+        if x is not out[a:b] and not np.shares_memory(x, out[a:b]):
+            out[a:b] = x
+    _on_threads(run, rows.shape[0], threads or default_threads())
+    return out
 
 
 def validate_blocks(data: np.ndarray, qtype: QT) -> None:

@@ -12,17 +12,15 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 from gguf import GGML_QUANT_VERSION, GGUFValueType, LlamaFileType
 from gguf import GGMLQuantizationType as QT
-from gguf.quants import dequantize
 
 from ..errors import KimiError
-from ..gguf_io import (GGUFFile, GGUFStreamWriter, GGUFTensor, OutTensor, check_free_disk, check_output_paths,
-                       check_split_max_size, disk_bytes, disk_room, iter_chunks_of, open_gguf, remove_stale,
-                       stale_partials)
+from ..gguf_io import (Chunk, GGUFFile, GGUFStreamWriter, GGUFTensor, OutTensor, check_free_disk, check_output_paths,
+                       check_split_max_size, disk_bytes, disk_room, iter_chunks_of, open_gguf, stale_partials)
 from ..model import KimiConfig
 from ..tensor_map import ggml_n_dims, gguf_group
 from .plan import Decision, QuantizeError, QuantPlan, plan_quantization
@@ -50,11 +48,15 @@ class QuantizeResult:
     notes: list[str] = field(default_factory=list)
 
 
-def file_type(policy: Policy, gf: GGUFFile) -> int:
-    """The default type's llama file type; `keep` keeps the input's."""
+def file_type(policy: Policy, stored: int) -> int:
+    """The default type's llama file type; `keep` keeps the input's (`stored`)."""
     if policy.default is None:
-        return int(gf.fields.get("general.file_type", LlamaFileType.GUESSED))
+        return int(stored)
     return int(FILE_TYPE[policy.default])
+
+
+def stored_file_type(gf: GGUFFile) -> int:
+    return int(gf.fields.get("general.file_type", LlamaFileType.GUESSED))
 
 
 def plan_file(gf: GGUFFile, policy: Policy, *, allow_requantize: bool = False, strict: bool = False) -> QuantPlan:
@@ -63,17 +65,23 @@ def plan_file(gf: GGUFFile, policy: Policy, *, allow_requantize: bool = False, s
                              allow_requantize=allow_requantize, strict=strict)
 
 
-def metadata(gf: GGUFFile, ftype: int, extra: list[tuple[str, object, GGUFValueType]]) -> list[tuple]:
-    """(key, value, type, element type) for the output, in input order; set keys move to the end,
-    as llama-quantize's gguf_set_val does."""
+def stored_metadata(gf: GGUFFile) -> Iterator[tuple]:
+    """(key, value, type, element type) of every key of the input file, in its order."""
+    for k, v in gf.fields.items():
+        yield (k, v, *gf.types[k])
+
+
+def metadata(stored: Iterable[tuple], ftype: int, extra: list[tuple[str, object, GGUFValueType]]) -> list[tuple]:
+    """(key, value, type, element type) for the output, from the input's keys (`stored`, same tuples) in their
+    order; set keys move to the end, as llama-quantize's gguf_set_val does. The one-pass converter passes
+    the keys it would have written, so its file's keys are those of this command on the converted file."""
     set_here = {"general.file_type": (ftype, GGUFValueType.UINT32),
                 "general.quantization_version": (GGML_QUANT_VERSION, GGUFValueType.UINT32)}
     set_here.update({k: (v, t) for k, v, t in extra})
     out = []
-    for k, v in gf.fields.items():
+    for k, v, vtype, sub in stored:
         if k.startswith(SKIPPED_KEYS) or k == "general.architecture" or k in set_here:
             continue
-        vtype, sub = gf.types[k]
         out.append((k, v, vtype, sub))
     return out + [(k, v, t, None) for k, (v, t) in set_here.items()]
 
@@ -81,23 +89,28 @@ def metadata(gf: GGUFFile, ftype: int, extra: list[tuple[str, object, GGUFValueT
 def quantize_file(src: Path, out: Path, policy: Policy, *, imatrix=None, allow_requantize: bool = False,
                   strict: bool = False, force: bool = False, split_max_size: int = 0, keep_split: bool = False,
                   threads: int = 0, on_bytes: Callable[[int], None] = lambda n: None,
-                  log: Callable[[str], None] = lambda s: None) -> QuantizeResult:
+                  log: Callable[[str], None] = lambda s: None, resume: bool = False) -> QuantizeResult:
+    policy.check_requirements(imatrix=imatrix is not None, allow_requantize=allow_requantize)
     gf = open_gguf(Path(src))
     plan = plan_file(gf, policy, allow_requantize=allow_requantize, strict=strict)
     preflight(gf, plan, Path(out), force=force, split_max_size=split_max_size, log=log)
     notes: list[str] = []
     vectors = imatrix_vectors(plan, imatrix, notes) if imatrix is not None else {}
     extra = imatrix.metadata() if imatrix is not None else []
-    writer = GGUFStreamWriter(Path(out), gf.arch, split_max_size=split_max_size, force=force)
-    for key, value, vtype, sub in metadata(gf, file_type(policy, gf), extra):
+    writer = GGUFStreamWriter(Path(out), gf.arch, split_max_size=split_max_size, force=force, tool="kimi-quantize",
+                              inputs=gf.paths + ([Path(imatrix.path)] if imatrix is not None else []),
+                              settings={"policy": policy.source, "keep-split": "yes" if keep_split else "no"},
+                              resume=resume, log=log)
+    for key, value, vtype, sub in metadata(stored_metadata(gf), file_type(policy, stored_file_type(gf)), extra):
         writer.add_kv(key, value, vtype, sub)
     part = {p: i for i, p in enumerate(gf.paths)}
-    tensors = [OutTensor(d.name, d.target, ggml_shape(d.shape), (lambda d=d: chunks(d, gf.tensors[d.name], vectors.get(d.name))),
+    from .blocks import default_threads, load_kernels     # noqa: PLC0415  (numba: only when quantizing)
+    threads = threads or default_threads()
+    load_kernels((d.source, d.target, imatrix is not None) for d in plan.decisions if not d.copied)
+    tensors = [OutTensor(d.name, d.target, ggml_shape(d.shape),
+                         (lambda d=d: chunks(d, gf.tensors[d.name], vectors.get(d.name), threads)),
                          part[gf.tensors[d.name].path] if keep_split else None)
                for d in plan.decisions]
-    if threads:
-        import numba                            # noqa: PLC0415
-        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
     start = time.perf_counter()
     paths = writer.write(tensors, on_bytes)
     return QuantizeResult(paths, plan, time.perf_counter() - start, notes)
@@ -116,10 +129,8 @@ def preflight(gf: GGUFFile, plan: QuantPlan, out: Path, *, force: bool, split_ma
     if split_max_size:
         check_split_max_size(split_max_size)
     check_output_paths([out], force)
-    stale = stale_partials(out)
-    room = disk_room(plan.target_bytes, out, sum(disk_bytes(p) for p in stale))
-    remove_stale(stale, log)
-    check_free_disk(room)
+    stale = stale_partials(out)       # the writer removes them (or, resuming, takes one over)
+    check_free_disk(disk_room(plan.target_bytes, out, sum(disk_bytes(p) for p in stale)))
 
 
 def imatrix_coverage(plan: QuantPlan, imatrix) -> list[str]:
@@ -128,25 +139,44 @@ def imatrix_coverage(plan: QuantPlan, imatrix) -> list[str]:
     return coverage_lines(imatrix.coverage((d.name, d.shape) for d in plan.decisions if not d.copied))
 
 
-def imatrix_vectors(plan: QuantPlan, imatrix, notes: list[str]) -> dict[str, np.ndarray]:
-    """The imatrix vector of every tensor that is quantized, validated against its shape as llama-quantize does
-    for every one (Q8_0 then ignores it)."""
-    out = {}
-    for d in plan.decisions:
-        if not d.copied:
-            v = imatrix.vector(d.name, d.shape, on_skip=notes.append)
-            if v is not None:
-                out[d.name] = v
-    return out
+class ImatrixVectors:
+    """The imatrix vector of every tensor that is quantized, validated against its shape up front as
+    llama-quantize does for every one (Q8_0 then ignores it), and read from the file only when `get` asks
+    for it: a K3 imatrix is GBs, and a run holds one tensor's vector at a time."""
+
+    def __init__(self, plan: QuantPlan, imatrix, notes: list[str]):
+        self.imatrix = imatrix
+        self.shapes = {d.name: d.shape for d in plan.decisions
+                       if not d.copied and imatrix.has_vector(d.name, d.shape, on_skip=notes.append)}
+
+    def get(self, name: str) -> np.ndarray | None:
+        return self.imatrix.vector(name, self.shapes[name]) if name in self.shapes else None
 
 
-def chunks(d: Decision, t: GGUFTensor, imatrix: np.ndarray | None) -> Iterator:
+def imatrix_vectors(plan: QuantPlan, imatrix, notes: list[str]) -> ImatrixVectors:
+    return ImatrixVectors(plan, imatrix, notes)
+
+
+def chunks(d: Decision, t: GGUFTensor, imatrix: np.ndarray | None, threads: int) -> Iterator:
     """The output bytes of one tensor: its stored bytes, or its quantized rows chunk by chunk."""
+    buf = np.empty(0, np.uint8)
+
+    def rows(a: int, b: int) -> np.ndarray:        # one stored row per row, values or block bytes
+        nonlocal buf
+        if buf.size < (b - a) * t.row_nbytes:
+            buf = np.empty((b - a) * t.row_nbytes, np.uint8)
+        return t.read_rows(a, b, buf)
+    yield from tensor_chunks(d, lambda: iter_chunks_of(t), rows, imatrix, threads, source=t.qtype)
+
+
+def tensor_chunks(d: Decision, stored: Callable[[], Iterable[Chunk]], rows: Callable[[int, int], np.ndarray],
+                  imatrix: np.ndarray | None, threads: int, source: QT = QT.F32) -> Iterator[Chunk]:
+    """The output bytes of one tensor (both commands): its stored chunks as they are when it is copied, else
+    the rows `rows(a, b)` gives (of type `source`) quantized chunk by chunk (quantize_rows)."""
     if d.copied:
-        yield from iter_chunks_of(t)
+        yield from stored()
         return
-    stored = t.raw.reshape(-1, t.raw.shape[-1])        # one stored row per row, values or block bytes
-    for _, _, q in quantize_rows(d, lambda a, b: dequantize(stored[a:b], t.qtype), imatrix):
+    for _, _, q in quantize_rows(d, rows, imatrix, threads, source):
         yield q
 
 
@@ -162,17 +192,20 @@ def row_chunks(shape: tuple[int, ...]) -> Iterator[tuple[int, int, int]]:
             yield e, a, min(a + step, (e + 1) * rows_per_mat)
 
 
-def quantize_rows(d: Decision, rows: Callable[[int, int], np.ndarray], imatrix: np.ndarray | None
-                  ) -> Iterator[tuple[int, int, np.ndarray]]:
-    """(first row, end row, bytes) of tensor `d` quantized to d.target from the values `rows(a, b)` gives,
-    chunk by chunk (row_chunks), each matrix with its slice of the imatrix vector, and validated as
-    llama-quantize's ggml_validate_row_data check does. kimi-verify recomputes a file's blocks through this."""
+def quantize_rows(d: Decision, rows: Callable[[int, int], np.ndarray], imatrix: np.ndarray | None,
+                  threads: int | None = None, source: QT = QT.F32) -> Iterator[tuple[int, int, np.ndarray]]:
+    """(first row, end row, bytes) of tensor `d` quantized to d.target from the rows `rows(a, b)` gives
+    (float32 values, or rows as a GGUF of type `source` stores them, which the quantizer widens to float32
+    as llama-quantize's to_float does), chunk by chunk (row_chunks), each matrix with its slice of the
+    imatrix vector, and validated as llama-quantize's ggml_validate_row_data check does. kimi-verify
+    recomputes a file's blocks through this."""
     from .blocks import InvalidBlockError, quantize, validate_blocks     # noqa: PLC0415
     n_per_row = d.shape[-1]
     for e, a, b in row_chunks(d.shape):
         weights = None if imatrix is None else imatrix[e * n_per_row:(e + 1) * n_per_row]
-        x = np.asarray(rows(a, b), dtype=np.float32).reshape(b - a, n_per_row)
-        q = quantize(x, d.target, weights)
+        x = rows(a, b)
+        x = np.asarray(x, dtype=np.float32).reshape(b - a, n_per_row) if source == QT.F32 else x.reshape(b - a, -1)
+        q = quantize(x, d.target, weights, threads=threads, source=source)
         try:
             validate_blocks(q, d.target)
         except InvalidBlockError as err:      # as llama-quantize's ggml_validate_row_data check

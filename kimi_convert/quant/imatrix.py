@@ -22,6 +22,7 @@ only offsets and counts.
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 import struct
@@ -35,7 +36,7 @@ from gguf import GGUFValueType
 
 from ..constants import T
 from ..errors import CheckpointError, KimiError
-from ..gguf_io import read_gguf
+from ..gguf_io import GGUFFile, GGUFTensor, read_gguf
 
 Shape = tuple[int, ...]
 MetaValue = Union[str, bytes, int]          # bytes only for a string cut inside a UTF-8 sequence
@@ -101,20 +102,27 @@ class Imatrix:
         `expert_slice(v, shape, e)`), or None when llama-quantize would quantize it without one: no entry
         ("did not find weights"), or a token embedding whose size differs. `on_skip` gets the reason.
         Call it only for tensors that are quantized: llama-quantize looks entries up for those alone."""
+        if not self.has_vector(name, shape, on_skip):
+            return None
+        with open(self.path, "rb") as f:
+            return self._values(f, name, self._entries[name])
+
+    def has_vector(self, name: str, shape: Shape, on_skip: Callable[[str], None] | None = None) -> bool:
+        """Whether `vector(name, shape)` gives a vector, with its checks and notes, without reading the values:
+        a plan checks every tensor before any data is read, and reads each vector only when its turn comes."""
         entry = self._entries.get(name)
         if entry is None:
             _note(on_skip, f"did not find weights for {name}")
-            return None
+            return False
         want = _ne0(shape) * _ne2(shape)
         if entry.size != want:
             what = (f"imatrix entry {name} has {entry.size} values, tensor {name} {list(shape)} needs "
                     f"{want} ({_ne0(shape)} columns x {_ne2(shape)} matrices)")
             if name in TOKEN_EMBD_NAMES:
                 _note(on_skip, f"{what}: quantized without it, as llama-quantize does")
-                return None
+                return False
             raise ImatrixError(f"{self.path}: {what}")
-        with open(self.path, "rb") as f:
-            return self._values(f, name, entry)
+        return True
 
     def metadata(self) -> list[tuple[str, MetaValue, GGUFValueType]]:
         """The keys llama-quantize adds to its output, in its order (each set last, after general.file_type)."""
@@ -207,12 +215,14 @@ def coverage_lines(rows: Iterable[CoverageRow]) -> list[str]:
 def load_imatrix(path: str | os.PathLike) -> Imatrix:
     """Read and check an imatrix in either format. Pass the path as the user typed it: llama-quantize
     records that string in quantize.imatrix.file."""
+    from ..checkpoint import open_input      # a regular file only: a FIFO would block every read forever
     spelled = os.fspath(path)
-    try:
-        with open(spelled, "rb") as f:
-            is_gguf = f.read(4) == GGUF_MAGIC
-    except OSError as e:
-        raise ImatrixError(f"{spelled}: cannot read the imatrix ({e.strerror})") from None
+    with open_input(Path(spelled), ImatrixError, missing="cannot read the imatrix (No such file or directory)") \
+            as (fd, _):
+        try:
+            is_gguf = os.pread(fd, 4, 0) == GGUF_MAGIC
+        except OSError as e:
+            raise ImatrixError(f"{spelled}: cannot read the imatrix ({e.strerror})") from None
     im = _load_gguf(spelled) if is_gguf else _load_dat(spelled)
     im._check_finite()
     return im
@@ -222,24 +232,26 @@ def load_imatrix(path: str | os.PathLike) -> Imatrix:
 
 def _load_gguf(path: str) -> Imatrix:
     try:
-        reader = read_gguf(Path(path))
+        gf = read_gguf(Path(path))
     except CheckpointError as e:
         raise ImatrixError(str(e)) from None
-    fields = reader.fields
-    gtype = _gguf_str(fields.get("general.type"))
-    if gtype is not None and gtype != b"imatrix":
-        raise ImatrixError(f"{path}: not an imatrix (general.type is {gtype.decode('utf-8', 'replace')!r})")
+    fields, types = gf.fields, gf.types
+    gtype = _gguf_str(gf, "general.type")
+    if gtype is not None and gtype != "imatrix":
+        raise ImatrixError(f"{path}: not an imatrix (general.type is {gtype!r})")
     missing = [k for k in (KEY_DATASETS, KEY_CHUNK_COUNT, KEY_CHUNK_SIZE) if k not in fields]
     if missing:
         raise ImatrixError(f"{path}: not an imatrix: {', '.join(missing)} missing (llama-quantize refuses it too)")
-    if not reader.tensors:
+    if not gf.tensors:
         raise ImatrixError(f"{path}: no data (the imatrix has no tensors)")
-    datasets = _gguf_datasets(path, fields[KEY_DATASETS])
-    chunk_count = _gguf_u32(path, fields[KEY_CHUNK_COUNT])
-    chunk_size = _gguf_u32(path, fields[KEY_CHUNK_SIZE])
+    if types[KEY_DATASETS] != (GGUFValueType.ARRAY, GGUFValueType.STRING):
+        raise ImatrixError(f"{path}: {KEY_DATASETS} is {_type_name(types[KEY_DATASETS])}, expected ARRAY[STRING]")
+    datasets = [d.encode() for d in fields[KEY_DATASETS]]
+    chunk_count = _gguf_u32(path, gf, KEY_CHUNK_COUNT)
+    chunk_size = _gguf_u32(path, gf, KEY_CHUNK_SIZE)
 
-    pairs: dict[str, dict[str, object]] = {}
-    for t in reader.tensors:
+    pairs: dict[str, dict[str, GGUFTensor]] = {}
+    for t in gf.tensors.values():
         for suffix in (SUMS_SUFFIX, COUNTS_SUFFIX):
             if t.name.endswith(suffix) and len(t.name) > len(suffix):
                 pairs.setdefault(t.name[:-len(suffix)], {})[suffix] = t
@@ -251,20 +263,19 @@ def _load_gguf(path: str) -> Imatrix:
                    chunk_size)
 
 
-def _gguf_entry(path: str, name: str, pair: dict) -> _Entry:
+def _gguf_entry(path: str, name: str, pair: dict[str, GGUFTensor]) -> _Entry:
     sums, counts = pair.get(SUMS_SUFFIX), pair.get(COUNTS_SUFFIX)
     if sums is None or counts is None:
         have, lack = (SUMS_SUFFIX, COUNTS_SUFFIX) if counts is None else (COUNTS_SUFFIX, SUMS_SUFFIX)
         raise ImatrixError(f"{path}: entry {name} has {name}{have} but no {name}{lack}")
     for t in (sums, counts):
-        if t.tensor_type != QT.F32:
-            raise ImatrixError(f"{path}: {t.name} is {QT(t.tensor_type).name}, an imatrix tensor must be F32")
-    n_sums, n_counts = int(sums.n_elements), int(counts.n_elements)
-    ne0 = int(sums.shape[0]) if len(sums.shape) else 0
-    if n_sums == 0 or n_counts == 0 or n_sums // ne0 != n_counts:
-        raise ImatrixError(f"{path}: entry {name}: {name}{SUMS_SUFFIX} {_np_shape(sums)} does not match "
-                           f"{name}{COUNTS_SUFFIX} {_np_shape(counts)} (one count per row of sums)")
-    raw = np.asarray(counts.data, dtype=_F32).reshape(-1).astype(np.float64)
+        if t.qtype != QT.F32:
+            raise ImatrixError(f"{path}: {t.name} is {t.qtype.name}, an imatrix tensor must be F32")
+    n_sums, n_counts = math.prod(sums.shape), math.prod(counts.shape)      # the reader makes every dim >= 1
+    if n_sums // sums.shape[-1] != n_counts:
+        raise ImatrixError(f"{path}: entry {name}: {name}{SUMS_SUFFIX} {list(sums.shape)} does not match "
+                           f"{name}{COUNTS_SUFFIX} {list(counts.shape)} (one count per row of sums)")
+    raw = np.asarray(counts.raw, dtype=_F32).reshape(-1).astype(np.float64)
     bad = np.flatnonzero(~(np.isfinite(raw) & (raw >= 0) & (raw < _MAX_COUNT)))
     if bad.size:
         raise ImatrixError(f"{path}: {name}{COUNTS_SUFFIX}: count {int(bad[0])} is {raw[bad[0]]} "
@@ -272,37 +283,25 @@ def _gguf_entry(path: str, name: str, pair: dict) -> _Entry:
     # common/imatrix-loader.cpp reads counts with std::lround (half away from zero), quantize.cpp divides by
     # (float) of it; c + 0.5 is exact in float64 for every float32 c < 2^52, and the result fits a float32
     rounded = np.floor(raw + 0.5).astype(np.float32)
-    return _Entry(int(sums.data_offset), n_sums, rounded)
+    return _Entry(sums.offset, n_sums, rounded)
 
 
-def _gguf_str(field) -> bytes | None:
-    if field is None:
+def _gguf_str(gf: GGUFFile, key: str) -> str | None:
+    if key not in gf.fields:
         return None
-    if field.types[:1] != [GGUFValueType.STRING]:
-        return f"<{field.types[0].name}>".encode()
-    return bytes(field.parts[field.data[0]])
+    vtype = gf.types[key]
+    return gf.fields[key] if vtype == (GGUFValueType.STRING, None) else f"<{_type_name(vtype)}>"
 
 
-def _gguf_datasets(path: str, field) -> list[bytes]:
-    empty_array = field.types == [GGUFValueType.ARRAY]          # gguf's reader loses the element type
-    if not (empty_array or field.types == [GGUFValueType.ARRAY, GGUFValueType.STRING]):
-        raise ImatrixError(f"{path}: {KEY_DATASETS} is {_type_name(field)}, expected ARRAY[STRING]")
-    return [bytes(field.parts[i]) for i in field.data] if not empty_array else []
+def _gguf_u32(path: str, gf: GGUFFile, key: str) -> int:
+    if gf.types[key] != (GGUFValueType.UINT32, None):
+        raise ImatrixError(f"{path}: {key} is {_type_name(gf.types[key])}, expected UINT32")
+    return gf.fields[key]
 
 
-def _gguf_u32(path: str, field) -> int:
-    if field.types != [GGUFValueType.UINT32]:
-        raise ImatrixError(f"{path}: {field.name} is {_type_name(field)}, expected UINT32")
-    return int(field.parts[field.data[0]][0])
-
-
-def _type_name(field) -> str:
-    names = [t.name for t in field.types]
-    return names[0] if len(names) == 1 else f"{names[0]}[{names[1]}]"
-
-
-def _np_shape(t) -> list[int]:
-    return [int(x) for x in reversed(t.shape.tolist())]
+def _type_name(vtype: tuple) -> str:
+    main, element = vtype
+    return main.name if element is None else f"{main.name}[{element.name}]"
 
 
 # ---------------------------------------------------------------------------------------------- .dat

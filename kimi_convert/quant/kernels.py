@@ -656,6 +656,15 @@ def bf16_rows(x, out):
                 out[r, j] = ((u + (0x7FFF + ((u >> 16) & 1))) >> 16) & 0xFFFF
 
 
+
+@njit(**JIT)
+def bf16_to_f32_rows(x, out):
+    """ggml_bf16_to_fp32_row: the bf16 bits become the top half of the float32 (exact, NaN payload kept)."""
+    n_rows, n = x.shape
+    for r in range(n_rows):
+        for j in range(n):
+            out[r, j] = np.uint32(x[r, j]) << np.uint32(16)
+
 # ====================================================================================================
 # K-quants: Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
 # ====================================================================================================

@@ -115,7 +115,7 @@ def decide(name: str, shape: tuple[int, ...], source: QT, policy: Policy,
         why = f"protected ({guard.kind}): {guard.why}"
         return Decision(name, shape, source, source, why, guard, rule), (Conflict(name, rule, guard) if named else None)
     if rule is not None:
-        wanted, why = rule.target, f"rule {rule.describe()}"
+        wanted, why = rule.target, f"rule {rule.describe()}" + (f": {rule.why}" if rule.why else "")
     else:
         wanted, why = policy.default, f"default {type_name(policy.default)} ({policy.default_origin})"
     target = source if wanted is None else wanted

@@ -6,6 +6,10 @@
     type = "Q8_0"               # a ggml type name, any case, or "keep" (leave the tensor as it is)
     why = "..."                 # optional: shown by --explain
 
+A policy may state what a run needs (`requires = ["imatrix", "allow-requantize"]`, top level); a run that lacks
+it is refused before any heavy work by `Policy.check_requirements`, the one check kimi-quantize and
+`kimi-convert --policy` share.
+
 `--tensor-type REGEX=TYPE` tokens are tried before the policy's rules, in command-line order, and are read as
 llama-quantize reads them: the regex is lower-cased first (tools/quantize/quantize.cpp), so a llama-quantize recipe
 selects the same tensors here. Every error names the file and line it comes from (docs/policy.md).
@@ -14,7 +18,7 @@ from __future__ import annotations
 
 import re
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 
@@ -28,7 +32,13 @@ KEEP = None                    # the target "keep": the tensor stays as it is st
 TARGET_TYPES = (QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K,
                 QT.Q6_K, QT.IQ4_NL, QT.IQ4_XS, QT.MXFP4)
 PRESETS = resources.files("kimi_convert.quant").joinpath("presets")   # package data: presets/*.toml
-TOP_KEYS, RULE_KEYS = {"default", "rules", "description"}, {"pattern", "type", "why"}
+TOP_KEYS, RULE_KEYS = {"default", "rules", "description", "requires"}, {"pattern", "type", "why"}
+# what a policy may require of a run: the option that provides it, and why a policy would need it
+REQUIREMENTS = {
+    "imatrix": ("--imatrix FILE", "low-bit K-quants need importance weights to choose their scales"),
+    "allow-requantize": ("--allow-requantize", "it re-quantizes tensors that are already quantized, "
+                                               "such as MXFP4 experts"),
+}
 
 
 class PolicyError(KimiError):
@@ -53,10 +63,31 @@ class Policy:
     rules: tuple[Rule, ...]
     source: str                # the file, or "preset NAME"
     description: str = ""
+    requires: tuple[str, ...] = ()     # REQUIREMENTS keys, in the file's order
+    requires_origin: str = ""          # "k3-q2.toml:12"
 
     def with_tensor_types(self, first: list[Rule]) -> "Policy":
         """--tensor-type rules go before the policy's own."""
-        return Policy(self.default, self.default_origin, (*first, *self.rules), self.source, self.description)
+        return replace(self, rules=(*first, *self.rules))
+
+    def check_requirements(self, *, imatrix: bool, allow_requantize: bool, plan_only: bool = False) -> list[str]:
+        """Refuse a run that lacks what the policy `requires`: one PolicyError naming the policy, what is missing
+        and where the policy says so. Call it before any heavy work.
+
+        plan_only (--explain, --dry-run): the imatrix changes the bytes, not the types or sizes, so it is not
+        demanded there; the returned notes say that writing will need it. --allow-requantize changes the plan
+        (without it the MXFP4 experts are protected), so it is demanded always."""
+        given = {"imatrix": imatrix, "allow-requantize": allow_requantize}
+        missing = [r for r in self.requires if not given[r]]
+        later = [r for r in missing if plan_only and r == "imatrix"]
+        now = [r for r in missing if r not in later]
+        if now:
+            wanted = " and ".join(REQUIREMENTS[r][0] for r in self.requires)
+            why = "; ".join(REQUIREMENTS[r][1] for r in now)
+            raise PolicyError(f"{self.source} requires {wanted} ({self.requires_origin}); missing: "
+                              f"{', '.join(REQUIREMENTS[r][0] for r in now)} ({why})")
+        return [f"{self.source}: writing the file needs {REQUIREMENTS[r][0]} too ({self.requires_origin}); "
+                f"the plan does not depend on it" for r in later]
 
     def first_match(self, name: str) -> Rule | None:
         return next((r for r in self.rules if r.pattern.search(name)), None)
@@ -83,8 +114,9 @@ def compile_pattern(text: object, where: str) -> re.Pattern:
         raise PolicyError(f"{where}: pattern must be a non-empty string (a Python regex), not {text!r}")
     try:
         return re.compile(text)
-    except re.error as e:
-        raise PolicyError(f"{where}: bad regex {text!r}: {e}") from None
+    except (re.error, OverflowError, RecursionError) as e:     # a{4294967296}; groups nested 500 deep
+        shown = text if len(text) <= 80 else text[:80] + "..."
+        raise PolicyError(f"{where}: bad regex {shown!r}: {e}") from None
 
 
 # ------------------------------------------------------------------------------------
@@ -98,13 +130,7 @@ def load_policy(spec: str | Path) -> Policy:
     """A policy file path, or the name of a shipped preset."""
     path = Path(spec)
     if path.suffix == ".toml" or path.exists() or "/" in str(spec):
-        try:
-            text = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise PolicyError(f"{path}: policy file not found") from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise PolicyError(f"{path}: cannot read the policy file ({e})") from None
-        return parse_policy(text, str(path))
+        return parse_policy(_read_text(path, "policy file"), str(path))
     name = str(spec)
     if name not in preset_names():
         raise PolicyError(f"{name}: no such policy file or preset; presets: {', '.join(preset_names())}")
@@ -142,31 +168,48 @@ def parse_policy(text: str, source: str, origin_file: str | None = None) -> Poli
         parsed.append(Rule(compile_pattern(r["pattern"], at), parse_type(r["type"], f"{origin_file}:"
                                                                          f"{lines.rule(i, 'type')}"),
                            at, str(r.get("why", ""))))
-    return Policy(default, default_at, tuple(parsed), source, str(doc.get("description", "")))
+    requires = _requirements(doc.get("requires", []), f"{origin_file}:{lines.top('requires')}")
+    return Policy(default, default_at, tuple(parsed), source, str(doc.get("description", "")), requires,
+                  f"{origin_file}:{lines.top('requires')}" if requires else "")
+
+
+def _requirements(value: object, where: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise PolicyError(f"{where}: requires must be a list of strings such as [\"imatrix\"], not {value!r}")
+    for v in value:
+        if v not in REQUIREMENTS:
+            raise PolicyError(f"{where}: unknown requirement {v!r}; expected some of {sorted(REQUIREMENTS)}")
+    return tuple(dict.fromkeys(value))
 
 
 class _KeyLines:
     """Line numbers of keys in a policy file, for error messages (tomllib keeps no positions)."""
-    _KEY = re.compile(r"^\s*([A-Za-z0-9_-]+|\"[^\"]*\")\s*=")
+    _NAME = r"([A-Za-z0-9_-]+|\"[^\"]*\"|'[^']*')"        # a bare, basic or literal key: its first part
+    _KEY = re.compile(rf"^\s*{_NAME}\s*[=.]")               # key = ..., or dotted.key = ...
+    _TABLE = re.compile(rf"^\s*\[\[?\s*{_NAME}")
 
     def __init__(self, text: str):
         self.top_keys: dict[str, int] = {}
         self.rules: list[tuple[int, dict[str, int]]] = []     # (header line, key -> line)
         for no, line in enumerate(text.splitlines(), start=1):
-            if line.strip().startswith("[[") and "rules" in line:
+            table = self._TABLE.match(line)
+            if table and table[1].strip("\"'") == "rules" and line.lstrip().startswith("[["):
                 self.rules.append((no, {}))
+                continue
+            if table:                       # [other] or [[other]]: a top-level key, defined on this line
+                self.top_keys.setdefault(table[1].strip("\"'"), no)
                 continue
             m = self._KEY.match(line)
             if m:
-                key = m[1].strip('"')
+                key = m[1].strip("\"'")
                 (self.rules[-1][1] if self.rules else self.top_keys).setdefault(key, no)
 
     def top(self, key: str) -> int:
         return self.top_keys.get(key, self.rules[0][0] if self.rules else 1)
 
     def rule(self, i: int, key: str | None = None) -> int:
-        if i >= len(self.rules):
-            return 1
+        if i >= len(self.rules):            # an inline array, `rules = [{...}]`: its line
+            return self.top("rules")
         header, keys = self.rules[i]
         return keys.get(key, header) if key else header
 
@@ -186,10 +229,16 @@ def tensor_type_rules(tokens: list[str], files: list[Path]) -> list[Rule]:
     """--tensor-type tokens, then the tokens of each --tensor-type-file (whitespace-separated, as upstream)."""
     rules = [parse_tensor_type(t, f"--tensor-type {t}") for t in tokens]
     for path in files:
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise PolicyError(f"{path}: cannot read the tensor-type file ({e})") from None
+        text = _read_text(Path(path), "tensor-type file")
         for no, line in enumerate(text.splitlines(), start=1):
             rules += [parse_tensor_type(t, f"{path}:{no}") for t in line.split()]
     return rules
+
+
+MAX_POLICY_BYTES = 16 << 20     # a policy or tensor-type file is a few KB; this is far above any
+
+
+def _read_text(path: Path, what: str) -> str:
+    """A policy or tensor-type file's text: a regular file only (a FIFO would block the read forever), UTF-8."""
+    from ..checkpoint import read_input
+    return read_input(path, MAX_POLICY_BYTES, PolicyError, missing=f"{what} not found")
