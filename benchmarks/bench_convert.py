@@ -29,7 +29,8 @@ With --policy P (warm, unless --caches says otherwise), in one run, the routes i
   * `kimi-convert HF MID` + llama.cpp's quantizer (`interop.llama_quantize`: llama_model_quantize, 2 threads,
     Q8_0 with --tensor-type overrides that give every tensor the one pass's type, checked afterwards);
   * `cp -r` of the checkpoint folder + `sync`.
-The one pass and the two-pass kimi-quantize output must be byte-identical (checked). Ratios: the best two-pass
+The routes run in turn, the one pass first; each output is checked against the first one pass's: kimi-quantize's
+by its manifest (the same bytes, header and tensors), llama.cpp's tensor by tensor (types, SHA-256). Ratios: the best two-pass
 route's time over the one pass's; the one pass's over cp's.
 
 Every command is its own child process: wall time and CPU time (user + sys) from os.wait4, peak RSS from
@@ -302,6 +303,10 @@ class Side:
     def best(self) -> Run:
         return min(self.runs, key=lambda r: r.seconds)
 
+    @property
+    def median(self) -> float:
+        return float(np.median([r.seconds for r in self.runs]))
+
 
 def prepare(cache: str, files: list[Path]) -> float:
     if cache == "cold":
@@ -335,21 +340,39 @@ def bench_converter(a, hf: Path, root: Path, in_bytes: int) -> dict[str, dict[st
 
 
 def summarize_converter(table: dict[str, dict[str, Side]], in_bytes: int, out_bytes: int) -> None:
-    log(f"\nshards {in_bytes / GB:.2f} GB -> GGUF {out_bytes / GB:.2f} GB; best of each side; MB/s of shard bytes")
-    log(f"{'cache':6} {'side':12} {'wall':>9} {'MB/s':>6} {'CPU':>8} {'RSS':>8}  {'cached':>6}")
+    log(f"\nshards {in_bytes / GB:.2f} GB -> GGUF {out_bytes / GB:.2f} GB; best run of each side (and the median "
+        f"wall time of its runs); MB/s of shard bytes")
+    log(f"{'cache':6} {'side':12} {'wall':>9} {'median':>9} {'MB/s':>6} {'CPU':>8} {'RSS':>8}  {'cached':>6}")
     for cache, sides in table.items():
         for name, side in sides.items():
             r = side.best
-            log(f"{cache:6} {name:12} {r.seconds:7.2f} s {in_bytes / MB / r.seconds:6.0f} {r.cpu:6.2f} s "
-                f"{r.max_rss / MIB:5.0f} MiB  {100 * side.warmth[side.runs.index(r)]:5.0f}%")
-        conv = sides["kimi-convert"].best.seconds
+            log(f"{cache:6} {name:12} {r.seconds:7.2f} s {side.median:7.2f} s {in_bytes / MB / r.seconds:6.0f} "
+                f"{r.cpu:6.2f} s {r.max_rss / MIB:5.0f} MiB  {100 * side.warmth[side.runs.index(r)]:5.0f}%")
+        conv, conv_m = sides["kimi-convert"].best.seconds, sides["kimi-convert"].median
         log(f"{cache:6} kimi-convert at {sides['cat'].best.seconds / conv:.2f}x of cat's speed, "
-            f"{sides['cp + sync'].best.seconds / conv:.2f}x of cp + sync's")
+            f"{sides['cp + sync'].best.seconds / conv:.2f}x of cp + sync's (medians: "
+            f"{sides['cat'].median / conv_m:.2f}x, {sides['cp + sync'].median / conv_m:.2f}x)")
 
 
-def route_types(gguf: Path) -> dict[str, str]:
+def manifest_of(out: Path):
+    """What the writer's manifest says of `out`: each file's size and header hash, each tensor's entry (name,
+    type, shape, offset, size, SHA-256). Two outputs with equal manifests hold the same bytes."""
+    from kimi_convert.gguf_io import load_manifest, manifest_path
+    return tuple((f.size, f.header_sha256, tuple(f.tensors)) for f in load_manifest(manifest_path(out)).files)
+
+
+def tensor_digests(gguf: Path) -> dict[str, tuple[str, str]]:
+    """name -> (type, SHA-256 of its bytes) of any GGUF (llama.cpp's output has no manifest), 64 MB at a time."""
+    import hashlib
+
     from kimi_convert.gguf_io import open_gguf
-    return {n: t.qtype.name for n, t in open_gguf(gguf).tensors.items()}
+    out = {}
+    for n, t in open_gguf(gguf).tensors.items():
+        h, raw = hashlib.sha256(), t.raw_bytes().reshape(-1)
+        for i in range(0, raw.size, 64 << 20):
+            h.update(raw[i:i + (64 << 20)])
+        out[n] = (t.qtype.name, h.hexdigest())
+    return out
 
 
 def llama_overrides(one_pass: Path) -> list[tuple[str, int]]:
@@ -362,32 +385,15 @@ def llama_overrides(one_pass: Path) -> list[tuple[str, int]]:
             if t.qtype not in (QT.Q8_0, QT.F32)]
 
 
-def same_bytes(a: Path, b: Path) -> tuple[int, int]:
-    """(tensors with equal bytes, tensors) of two GGUFs with the same tensor names, compared 64 MB at a time."""
-    from kimi_convert.gguf_io import open_gguf
-    ta, tb = open_gguf(a).tensors, open_gguf(b).tensors
-    equal = 0
-    for n, t in ta.items():
-        x, y = t.raw_bytes().reshape(-1), tb[n].raw_bytes().reshape(-1)
-        equal += x.size == y.size and all(np.array_equal(x[i:i + (64 << 20)], y[i:i + (64 << 20)])
-                                          for i in range(0, x.size, 64 << 20))
-    return equal, len(ta)
-
-
-def identical(a: Path, b: Path) -> bool:
-    return subprocess.run(["cmp", "-s", str(a), str(b)]).returncode == 0
-
-
 def bench_policy(a, hf: Path, root: Path) -> dict[str, dict[str, Side]]:
+    """The routes in turn (the one pass first, whose manifest the others are checked against); only one
+    route's files are on disk at a time."""
     from gguf import GGMLQuantizationType as QT
 
     from kimi_convert.quant.driver import FILE_TYPE
-    files, out, mid, ref, copy_dir = (shard_files(hf), root / "one.gguf", root / "mid.gguf", root / "two.gguf",
-                                      root / "cp-copy")
-    log("reference one-pass output (untimed: the routes are compared against it)")
-    kimi_convert(hf, ref, "--policy", a.policy)
-    types, overrides = route_types(ref), llama_overrides(ref)
+    files, out, mid, copy_dir = shard_files(hf), root / "one.gguf", root / "mid.gguf", root / "cp-copy"
     routes = ["one pass", "convert + kimi-quantize", "convert + llama.cpp", "cp -r + sync"]
+    ref = None                  # (manifest, {tensor: (type, sha256)}, llama overrides) of the first one pass
     table: dict[str, dict[str, Side]] = {}
     for cache in a.caches:
         sides = table[cache] = {r: Side() for r in routes}
@@ -396,16 +402,20 @@ def bench_policy(a, hf: Path, root: Path) -> dict[str, dict[str, Side]]:
             warmth = prepare(cache, files)
             if name == "one pass":
                 run = kimi_convert(hf, out, "--policy", a.policy)
-                check = "identical to the reference" if identical(out, ref) else "DIFFERS from the reference"
+                if ref is None:
+                    m = manifest_of(out)
+                    ref = (m, {t.name: (t.type, t.sha256) for f in m for t in f[2]}, llama_overrides(out))
+                check = "the same bytes as the first one pass" if manifest_of(out) == ref[0] else "DIFFERS"
             elif name == "convert + kimi-quantize":
                 run = kimi_convert(hf, mid) + kimi_quantize(mid, out, a.policy)
-                check = "identical to the one pass" if identical(out, ref) else "DIFFERS from the one pass"
+                check = "the same bytes as the one pass" if manifest_of(out) == ref[0] else "DIFFERS from the one pass"
             elif name == "convert + llama.cpp":
-                run = kimi_convert(hf, mid) + llama_quantize(mid, out, int(FILE_TYPE[QT.Q8_0]), overrides)
-                theirs = route_types(out)
-                equal, n = same_bytes(ref, out)
-                check = (f"types {'equal' if theirs == types else 'DIFFER: ' + str(_type_diff(types, theirs))}"
-                         f", {equal}/{n} tensors byte-equal")
+                run = kimi_convert(hf, mid) + llama_quantize(mid, out, int(FILE_TYPE[QT.Q8_0]), ref[2])
+                theirs = tensor_digests(out)
+                types_equal = {n: v[0] for n, v in theirs.items()} == {n: v[0] for n, v in ref[1].items()}
+                equal = sum(theirs.get(n) == v for n, v in ref[1].items())
+                check = (f"types {'equal' if types_equal else 'DIFFER: ' + str(_type_diff(ref[1], theirs))}, "
+                         f"{equal}/{len(ref[1])} tensors byte-equal to the one pass's")
             else:
                 run = cp_sync([hf], copy_dir, recursive=True)
                 check = ""
@@ -414,26 +424,28 @@ def bench_policy(a, hf: Path, root: Path) -> dict[str, dict[str, Side]]:
             sides[name].warmth.append(warmth)
             log(f"  [{cache}, {100 * warmth:.0f}% cached] {name:24} {run.seconds:7.2f} s wall, CPU {run.cpu:6.2f} s, "
                 f"peak RSS {run.max_rss / MIB:5.0f} MiB  {check}")
-    remove(ref)
     return table
 
 
-def _type_diff(ours: dict[str, str], theirs: dict[str, str]) -> list[str]:
-    return [f"{n}: {t} vs {theirs.get(n)}" for n, t in ours.items() if theirs.get(n) != t][:5]
+def _type_diff(ours: dict[str, tuple], theirs: dict[str, tuple]) -> list[str]:
+    return [f"{n}: {t[0]} vs {theirs.get(n, ('-',))[0]}" for n, t in ours.items()
+            if theirs.get(n, ("-",))[0] != t[0]][:5]
 
 
 def summarize_policy(table: dict[str, dict[str, Side]], policy: str, in_bytes: int) -> None:
-    log(f"\n--policy {policy}: shards {in_bytes / GB:.2f} GB; best of each route")
-    log(f"{'cache':6} {'route':24} {'wall':>9} {'CPU':>8} {'peak RSS':>9}")
+    log(f"\n--policy {policy}: shards {in_bytes / GB:.2f} GB; best run of each route (and the median wall time)")
+    log(f"{'cache':6} {'route':24} {'wall':>9} {'median':>9} {'CPU':>8} {'peak RSS':>9}")
     for cache, sides in table.items():
         for name, side in sides.items():
             r = side.best
-            log(f"{cache:6} {name:24} {r.seconds:7.2f} s {r.cpu:6.2f} s {r.max_rss / MIB:6.0f} MiB")
-        one = sides["one pass"].best.seconds
-        two = min(sides[r].best.seconds for r in ("convert + kimi-quantize", "convert + llama.cpp"))
-        cp = sides["cp -r + sync"].best.seconds
+            log(f"{cache:6} {name:24} {r.seconds:7.2f} s {side.median:7.2f} s {r.cpu:6.2f} s "
+                f"{r.max_rss / MIB:6.0f} MiB")
+        two_pass = ("convert + kimi-quantize", "convert + llama.cpp")
+        one, one_m = sides["one pass"].best.seconds, sides["one pass"].median
+        two, two_m = min(sides[r].best.seconds for r in two_pass), min(sides[r].median for r in two_pass)
+        cp, cp_m = sides["cp -r + sync"].best.seconds, sides["cp -r + sync"].median
         log(f"{cache:6} the best two-pass route takes {two / one:.2f}x the one pass's time (goal >= 1.8); "
-            f"the one pass {one / cp:.2f}x cp's (goal <= 1.25)")
+            f"the one pass {one / cp:.2f}x cp's (goal <= 1.25); medians: {two_m / one_m:.2f}x, {one_m / cp_m:.2f}x")
 
 
 # ------------------------------------------------------------------------------------------
@@ -475,7 +487,7 @@ def main(argv=None) -> int:
 
     a.workdir.mkdir(parents=True, exist_ok=True)
     shard_est = expert_bytes(spec) * 1.06 + 0.85e9 * a.layers
-    outputs = 3 if a.policy else 1          # the reference and a route's two files; or one output (or copy)
+    outputs = 2 if a.policy else 1          # a two-pass route's two files; or one output (or copy)
     need = (0 if a.checkpoint else shard_est) + outputs * shard_est + 1e9
     free = shutil.disk_usage(a.workdir).free
     log(f"machine: {machine()}")

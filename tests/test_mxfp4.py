@@ -129,9 +129,18 @@ def test_read_tensors_names_a_truncated_shard_and_a_read_error(tmp_path, monkeyp
 
 # --- the converter's expert producer ------------------------------------------------------------------
 
-def open_files() -> set[str]:
-    return {os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
-            if os.path.exists(f"/proc/self/fd/{fd}")}
+def open_files(under: Path) -> set[str]:
+    """This process's open files inside `under` (only the test's own: earlier tests' threads may still be
+    closing theirs)."""
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:             # closed between listdir and readlink
+            continue
+        if target.startswith(str(under)):
+            out.add(target)
+    return out
 
 
 def test_expert_producer_repacks_in_order_and_stops_cleanly(tmp_path):
@@ -143,12 +152,12 @@ def test_expert_producer_repacks_in_order_and_stops_cleanly(tmp_path):
     plan = build_plan(make_checkpoint(tmp_path / "k3", arch="k3", n_layers=2, num_experts=REPACK_AHEAD + 4))
     p = next(t for t in plan.tensors if t.name.endswith("ffn_down_exps.weight"))
     ckpt, shard = plan.checkpoint, str(p.sources[0][0].path)
-    before = open_files()
+    before = open_files(tmp_path)
     got = list(_produce(p, ckpt, plan.config))
     want = [mxfp4.repack(ckpt.read(packed), ckpt.read(scale)) for packed, scale in p.sources]
     assert len(got) == len(want) == REPACK_AHEAD + 4 and all(np.array_equal(a, b) for a, b in zip(got, want))
-    assert open_files() == before
+    assert open_files(tmp_path) == before
     chunks = _produce(p, ckpt, plan.config)
-    assert np.array_equal(next(chunks), want[0]) and shard in open_files()
+    assert np.array_equal(next(chunks), want[0]) and shard in open_files(tmp_path)
     chunks.close()
-    assert open_files() == before
+    assert open_files(tmp_path) == before
