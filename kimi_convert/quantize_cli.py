@@ -85,12 +85,13 @@ def quantize(
     started, result = time.time(), None
     try:
         with interrupts_raise():
-            if keep_split and split_max_size:
+            if keep_split and split_max_size is not None:
                 raise KimiError("--keep-split and --split-max-size exclude each other")
             if not (explain or dry_run) and out is None:
                 raise KimiError("give OUT.gguf (or --dry-run / --explain)")
-            max_size = parse_size(split_max_size) if split_max_size else 0
-            if split_max_size:
+            max_size = 0
+            if split_max_size is not None:          # given, even as '': a size it must be
+                max_size = parse_size(split_max_size)
                 check_split_max_size(max_size, split_max_size)
             check_count(threads, "--threads", 0, MAX_THREADS, "one OS thread each; 0 is all cores")
             if json_file is not None:

@@ -175,6 +175,8 @@ def slice_checkpoint(hf_dir: Path, out_dir: Path, layers: str | list[int], *,
     chosen = parse_layers(layers if isinstance(layers, str) else ",".join(map(str, layers)) + ",", cfg)
     if out_dir.resolve() == hf_dir.resolve():
         raise OutputError(f"{out_dir}: the slice cannot overwrite its source")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise OutputError(f"{out_dir}: not a folder; OUT_DIR is the folder the sliced checkpoint goes into")
     if out_dir.exists() and any(out_dir.iterdir()) and not force:
         raise OutputError(f"{out_dir}: exists and is not empty (use --force to overwrite)")
     ckpt = Checkpoint(hf_dir)

@@ -954,6 +954,8 @@ def case_options(c: Ctx) -> Case:
         ("kimi-verify", [rng.choice(["chek", "--bogus", "slice"])], "bad subcommand"),
         ("kimi-verify", ["slice", k3, c.out / "s", "--layers", rng.choice(["0", "-1", "abc", "0-100", "3-1", ""])],
          "--layers"),
+        ("kimi-verify", ["slice", k3, c.fx.k3_gguf, "--layers", "2"], "slice OUT_DIR is a file"),
+        ("kimi-verify", ["slice", k3, k3, "--layers", "2", "--force"], "slice OUT_DIR is HF_DIR"),
     ]
     prog, args, what = rng.choice(table)
     return Case("options", what, prog, args, "bad")
@@ -1122,11 +1124,12 @@ def execute(seed: int, index: int, fx: Fixtures, work: Path, timeout: float, mem
         before = listing(run / "out")
         r = spawn(case.prog, case.args, run, timeout=timeout, send=case.send, unprivileged=case.unprivileged)
         flags = check_run(case, r, before, run / "out", fx, mem_bound)
-        outcomes = [r]
+        outcomes, new = [r], [sorted(listing(run / "out") - before)]
         if case.rerun is not None and not flags:
             r2 = spawn(case.prog, case.rerun, run, timeout=timeout)
-            flags = [f for f in check_run(case, r2, before, run / "out", fx, mem_bound, expect="ok")]
+            flags = check_run(case, r2, before, run / "out", fx, mem_bound, expect="ok")
             outcomes.append(r2)
+            new.append(sorted(listing(run / "out") - before))
     except Exception:                   # noqa: BLE001 - the campaign's own fault: reported, never a crash
         return {"index": index, "cls": "campaign", "what": traceback.format_exc(), "flags": ["campaign-error"],
                 "seconds": 0.0, "command": ""}
@@ -1136,8 +1139,8 @@ def execute(seed: int, index: int, fx: Fixtures, work: Path, timeout: float, mem
     last = outcomes[-1]
     return {"index": index, "cls": case.cls, "what": case.what, "flags": sorted(set(flags)),
             "seconds": sum(o.seconds for o in outcomes), "code": last.code, "expect": case.expect,
-            "command": " ".join([case.prog, *map(str, case.args)]),
-            "stderr": last.err[-2000:], "stdout": last.out[-1000:]}
+            "command": " ".join([case.prog, *map(str, case.args)]), "new_in_out": new,
+            "exit_codes": [o.code for o in outcomes], "stderr": last.err[-2000:], "stdout": last.out[-1000:]}
 
 
 def _remove(path: Path) -> None:

@@ -238,6 +238,8 @@ HUGE = "99999999999999999999T"
     ("kimi-quantize", ["--threads", "100000"], "--threads 100000: must be at most 1,024"),
     ("kimi-quantize", ["--split-max-size", "-5G"], "--split-max-size -5G: must be at least 1M"),
     ("kimi-quantize", ["--split-max-size", HUGE], "more than any file can hold"),
+    ("kimi-quantize", ["--split-max-size="], "--split-max-size '': not a size"),      # campaign seed 5 run 609
+    ("kimi-convert", ["--split-max-size="], "--split-max-size '': not a size"),
     ("kimi-quantize", ["--keep-split", "--split-max-size", "5G"], "--keep-split and --split-max-size exclude"),
     ("kimi-quantize", ["--json", "{tmp}/no/such/r.json"], "the folder {tmp}/no/such does not exist"),
     ("kimi-quantize", ["--json", "{tmp}"], "{tmp}: is a folder; --json takes a file name"),
@@ -254,6 +256,12 @@ def test_a_bad_option_value_is_one_error_line_and_writes_nothing(prog, args, mes
     r = run(prog, *where, *args)
     assert message.replace("{tmp}", str(out_dir)) in r.one_error() and r.code == 1 and r.fallback is None
     assert listing(out_dir) == set()
+
+
+def test_a_slice_into_a_file_is_one_error_line(k3_dir, gguf):
+    r = run("kimi-verify", "slice", k3_dir, gguf, "--layers", "2")
+    assert r.one_error() == (f"error: {gguf}: not a folder; OUT_DIR is the folder the sliced checkpoint goes "
+                             f"into") and r.fallback is None
 
 
 def test_split_sizes_are_decimal_exact():
