@@ -5,7 +5,7 @@
 
 Makes one kimi-k3 GGUF with wide rows and BF16 experts (latent and expert width 1024, hidden 2048; about
 0.4 GB per MoE layer at 32 experts), then for each type runs, each in a fresh child process so that its peak RSS
-is its own (os.wait4):
+is its own (its VmHWM):
   * llama.cpp: `llama_model_quantize` from llama-cpp-python 0.3.36 (the code of llama-quantize), --pure, 2 threads;
   * ours: `kimi_convert.quant.driver.quantize_file` with `default = "TYPE"`, numba on 2 threads.
 Prints per type both wall times, the ratio ours / llama.cpp (the goal: at most 2.0, then 1.0), our fixed
@@ -56,15 +56,21 @@ for t in sys.argv[1].split(","):
 """
 
 
+PEAK = "\nimport sys\nsys.stderr.write(next(l for l in open('/proc/self/status') if l.startswith('VmHWM')))\n"
+
+
 def timed(code: str, *args: str) -> tuple[float, int]:
-    """Wall seconds and peak RSS (bytes) of `python -c code args` in a fresh child."""
+    """Wall seconds and peak RSS (bytes) of `python -c code args` in a fresh child. The peak is the child's
+    own VmHWM: wait4's ru_maxrss would also count the pages of this parent that the child had until exec."""
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
+    proc = subprocess.Popen([sys.executable, "-c", code + PEAK, *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    err = proc.stderr.read().decode()
+    status = proc.wait()
     seconds = time.perf_counter() - start
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"failed: {args}\n{proc.stderr.read().decode()[-2000:]}")
-    return seconds, usage.ru_maxrss * 1024
+    if status != 0:
+        raise SystemExit(f"failed: {args}\n{err[-2000:]}")
+    return seconds, int(err.rsplit("VmHWM:", 1)[1].split()[0]) * 1024
 
 
 def same_bytes(a: Path, b: Path) -> bool:

@@ -19,7 +19,10 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
+from . import numba_start
 from .mxfp4 import BLOCK_BYTES
+
+numba_start.start()     # before the kernel loads: numba's registries without its BLAS probe
 
 _U = np.uint64
 _LOW = _U(0x0F0F0F0F0F0F0F0F)

@@ -302,3 +302,15 @@ def test_mxfp4_rows_requantize_as_their_values():
     values = gguf_dequantize(stored, QT.MXFP4)
     assert np.array_equal(dequantize(stored, QT.MXFP4), values)
     assert np.array_equal(quantize(stored, QT.Q2_K, source=QT.MXFP4), ggml.ggml_quantize(values, QT.Q2_K))
+
+
+def test_numba_start_hides_scipy_only_while_it_fills_the_registries():
+    """numba_start hides scipy.linalg from numba's BLAS probe; afterwards an import of it must work as usual."""
+    import importlib.util
+    import sys
+
+    from kimi_convert import numba_start
+    numba_start.start()
+    assert sys.modules.get("scipy.linalg", "absent") is not None       # no None left behind to break imports
+    if importlib.util.find_spec("scipy") is not None:
+        import scipy.linalg  # noqa: F401

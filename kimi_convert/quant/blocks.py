@@ -18,7 +18,10 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 from gguf import quants as _gguf_quants
 
+from .. import numba_start
 from . import kernels
+
+numba_start.start()     # before any kernel loads: numba's registries without its BLAS probe
 
 _REGISTRY: dict[QT, type["BlockType"]] = {}
 
@@ -382,14 +385,14 @@ def validate_blocks(data: np.ndarray, qtype: QT) -> None:
         _raise_first(bt.qtype, (h & 0x7C00) == 0x7C00, (h & 0x03FF) != 0)
     else:
         blocks = raw.reshape(-1, bt.type_size)
-        # [n_blocks, n_scales] fp16 bits, in the order ggml checks them (d before dmin)
-        h = np.stack([blocks[:, o].astype(np.uint16) | (blocks[:, o + 1].astype(np.uint16) << 8)
-                      for o in bt.scale_offsets], axis=1)
-        special = (h & 0x7C00) == 0x7C00
+        # an fp16 is Inf or NaN when its exponent bits (0x7C of its high, second byte) are all set:
+        # [n_blocks, n_scales], in the order ggml checks them (d before dmin); one byte read per scale
+        special = np.stack([(blocks[:, o + 1] & 0x7C) == 0x7C for o in bt.scale_offsets], axis=1)
         if special.any():
-            flat = int(np.argmax(special.reshape(-1)))
-            block, k = divmod(flat, len(bt.scale_offsets))
-            raise InvalidBlockError(bt.qtype, block, "nan" if h[block, k] & 0x03FF else "inf")
+            block, k = divmod(int(np.argmax(special.reshape(-1))), len(bt.scale_offsets))
+            o = bt.scale_offsets[k]
+            nan = bool(blocks[block, o] or blocks[block, o + 1] & 0x03)     # mantissa bits
+            raise InvalidBlockError(bt.qtype, block, "nan" if nan else "inf")
 
 
 def _raise_first(qtype: QT, special: np.ndarray, mantissa: np.ndarray) -> None:

@@ -805,24 +805,38 @@ def _q3_K_put_scale(y, s0, j, l):
 
 @njit(**JIT)
 def _q3_K_finish(xr, o, y, p, L):
-    """Requantize with the stored scales and fp16 d, then split off hmask and pack the 2-bit planes."""
+    """Requantize with the stored scales and fp16 d, then split off hmask and pack the 2-bit planes.
+
+    One pass over the 256 values in packing order (value j = 32k + m goes to hmask[m] bit k and to
+    qs[32(k/4) + m] bits 2(k%4)), each byte built in a register: a requantizing loop that stored L
+    (vectorized) and a packing loop that read it back a byte at a time stalled on store forwarding,
+    3x slower than ggml's loop."""
     s0 = p + 96
     d_all = get_fp16(y, p + 108)
+    ds = np.empty(16, np.float32)
     for j in range(16):
         sc = np.int64(y[s0 + j]) & 0xF if j < 8 else np.int64(y[s0 + j - 8]) >> 4
         sc = as_int8((sc | (((np.int64(y[s0 + 8 + j % 4]) >> (2 * (j // 4))) & 3) << 4)) - 32)
-        d = d_all * F32(sc)
-        if d == 0:
-            continue
-        for ii in range(16):
-            L[16 * j + ii] = max(-4, min(3, nearest_int(xr[o + 16 * j + ii] / d))) + 4
+        ds[j] = d_all * F32(sc)
     for m in range(32):
-        y[p + m] = 0
-    for j in range(QK_K):
-        if L[j] > 3:
-            y[p + j % 32] |= 1 << (j // 32)
-            L[j] -= 4
-    _pack_2bit(L, y, p + 32)
+        hmask = 0
+        low = 0
+        high = 0
+        for k in range(8):
+            j = 32 * k + m
+            d = ds[j >> 4]
+            # a sub-block whose scale is 0 keeps the levels of the search (ggml: `if (!d) continue;`)
+            l = np.int64(L[j]) if d == 0 else max(-4, min(3, nearest_int(xr[o + j] / d))) + 4
+            if l > 3:
+                hmask |= 1 << k
+                l -= 4
+            if k < 4:
+                low |= l << (2 * k)
+            else:
+                high |= l << (2 * (k - 4))
+        y[p + m] = hmask
+        y[p + 32 + m] = low & 0xFF
+        y[p + 64 + m] = high & 0xFF
 
 
 @njit(**JIT)
