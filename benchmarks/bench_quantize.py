@@ -6,9 +6,12 @@
 Makes one kimi-k3 GGUF with wide rows and BF16 experts (latent and expert width 1024, hidden 2048; about
 0.4 GB per MoE layer at 32 experts), then for each type runs, each in a fresh child process so that its peak RSS
 is its own (its VmHWM):
-  * llama.cpp: `llama_model_quantize` from llama-cpp-python 0.3.36 (the code of llama-quantize), --pure, 2 threads;
+  * llama.cpp: `llama_model_quantize` from llama-cpp-python 0.3.36 (the code of llama-quantize), --pure, 2 threads,
+    then an fsync of its output, timed apart: llama-quantize leaves its output in the page cache, ours is on
+    disk when it ends (fsync before the rename), so "+ fsync" is llama.cpp's time for the same durable result;
   * ours: `kimi_convert.quant.driver.quantize_file` with `default = "TYPE"`, numba on 2 threads.
-Prints per type both wall times, the ratio ours / llama.cpp (the goal: at most 2.0, then 1.0), our fixed
+Prints per type both wall times, the ratio ours / llama.cpp (the goal: at most 2.0, then 1.0), the ratio
+against llama.cpp + fsync, our fixed
 startup (a child that only imports numba and loads that type's kernels), both peak RSS and whether every
 tensor's bytes are equal. Numba's compiled kernels are cached on disk (first run compiles).
 """
@@ -31,9 +34,14 @@ from kimi_convert.fixtures.make_checkpoint import make_checkpoint  # noqa: E402
 DEFAULT_TYPES = "Q8_0,Q4_0,Q5_0,Q2_K,Q3_K,Q4_K,Q5_K,Q6_K,IQ4_NL,IQ4_XS"
 
 LLAMA = """
-import sys
+import os, sys, time
 from kimi_convert.interop import llama_quantize
 llama_quantize(sys.argv[1], sys.argv[2], int(sys.argv[3]), pure=True, threads=2)
+start = time.perf_counter()
+fd = os.open(sys.argv[2], os.O_RDONLY)
+os.fsync(fd)                # what our run also does before it renames its output into place
+os.close(fd)
+sys.stderr.write(f"FSYNC {time.perf_counter() - start}\\n")
 """
 OURS = """
 import sys
@@ -59,8 +67,9 @@ for t in sys.argv[1].split(","):
 PEAK = "\nimport sys\nsys.stderr.write(next(l for l in open('/proc/self/status') if l.startswith('VmHWM')))\n"
 
 
-def timed(code: str, *args: str) -> tuple[float, int]:
-    """Wall seconds and peak RSS (bytes) of `python -c code args` in a fresh child. The peak is the child's
+def timed(code: str, *args: str) -> tuple[float, int, float]:
+    """Wall seconds (less what it reports as FSYNC), peak RSS (bytes) and those FSYNC seconds of
+    `python -c code args` in a fresh child. The peak is the child's
     own VmHWM: wait4's ru_maxrss would also count the pages of this parent that the child had until exec."""
     start = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-c", code + PEAK, *args], stdout=subprocess.DEVNULL,
@@ -70,7 +79,8 @@ def timed(code: str, *args: str) -> tuple[float, int]:
     seconds = time.perf_counter() - start
     if status != 0:
         raise SystemExit(f"failed: {args}\n{err[-2000:]}")
-    return seconds, int(err.rsplit("VmHWM:", 1)[1].split()[0]) * 1024
+    fsync = float(err.rsplit("FSYNC ", 1)[1].split()[0]) if "FSYNC " in err else 0.0
+    return seconds - fsync, int(err.rsplit("VmHWM:", 1)[1].split()[0]) * 1024, fsync
 
 
 def same_bytes(a: Path, b: Path) -> bool:
@@ -101,14 +111,15 @@ def main() -> None:
     print(f"input {src}: {src.stat().st_size / 1e6:.0f} MB; cores {os.cpu_count()}")
     types = args.types.split(",")
     subprocess.run([sys.executable, "-c", "import sys\n" + WARM, ",".join(types)], check=True)   # numba cache
-    print(f"{'type':8} {'llama.cpp s':>11} {'ours s':>8} {'ratio':>6} {'startup s':>9} {'llama RSS':>10} "
+    print(f"{'type':8} {'llama.cpp s':>11} {'+ fsync s':>9} {'ours s':>8} {'ratio':>6} {'ratio+fsync':>11} "
+          f"{'startup s':>9} {'llama RSS':>10} "
           f"{'our RSS':>9}  bytes equal")
     for name in types:
         theirs, ours = work / f"llama-{name}.gguf", work / f"ours-{name}.gguf"
-        t_l, rss_l = timed(LLAMA, str(src), str(theirs), str(int(FILE_TYPE[QT[name]])))
-        t_o, rss_o = timed(OURS, str(src), str(ours), name)
-        t_s, _ = timed(STARTUP, name)       # our fixed cost: interpreter, numba, loading the kernels, exit
-        print(f"{name:8} {t_l:11.2f} {t_o:8.2f} {t_o / t_l:6.2f} {t_s:9.2f} {rss_l / 2**20:8.0f}Mi "
+        t_l, rss_l, t_f = timed(LLAMA, str(src), str(theirs), str(int(FILE_TYPE[QT[name]])))
+        t_o, rss_o, _ = timed(OURS, str(src), str(ours), name)
+        t_s, _, _ = timed(STARTUP, name)       # our fixed cost: interpreter, numba, loading the kernels, exit
+        print(f"{name:8} {t_l:11.2f} {t_l + t_f:9.2f} {t_o:8.2f} {t_o / t_l:6.2f} {t_o / (t_l + t_f):11.2f} {t_s:9.2f} {rss_l / 2**20:8.0f}Mi "
               f"{rss_o / 2**20:7.0f}Mi  {same_bytes(ours, theirs)}", flush=True)
         theirs.unlink()
         ours.unlink()

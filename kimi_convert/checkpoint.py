@@ -6,7 +6,6 @@ memory-mapped, so the resident set does not grow with what has been read.
 """
 from __future__ import annotations
 
-import gc
 import json
 import mmap
 import os
@@ -18,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import CheckpointError, KimiError
+from .gcutil import gc_paused
 from .safetensors_header import DTYPE_BITS, read_header
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -139,19 +139,6 @@ def _parse_index(index: Path, text: str) -> dict:
     return wm
 
 
-@contextmanager
-def _gc_paused():
-    """Hundreds of thousands of long-lived records trigger repeated full collections that find
-    nothing to free (a third of the load time of the real model's index); pause them meanwhile."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
 class Checkpoint:
     """config.json, the index and every shard header, validated against each other."""
 
@@ -160,7 +147,7 @@ class Checkpoint:
         if not self.dir.is_dir():
             raise CheckpointError(f"{self.dir}: not a directory")
         self.tensors: dict[str, SourceTensor] = {}
-        with _gc_paused():
+        with gc_paused():
             weight_map = self._read_index()
             self.shards = sorted(set(weight_map.values()))
             self._read_shards(weight_map)

@@ -10,7 +10,7 @@ import stat
 import sys
 import time
 import traceback
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from decimal import Decimal
 from pathlib import Path
 from typing import List, Optional
@@ -23,6 +23,7 @@ from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, Time
 from rich.table import Table
 
 from .errors import Interrupted, KimiError
+from .interrupts import INTERRUPTS, deliver_postponed, postpone
 
 # soft_wrap: a line is never broken at rich's 80 columns when the output is a pipe or a file
 console = Console(stderr=True, soft_wrap=True)      # progress, notes and errors
@@ -132,15 +133,15 @@ def _show_traceback(e: BaseException) -> None:
         sys.stderr.flush()
 
 
-INTERRUPTS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
 @contextmanager
 def interrupts_raise():
     """SIGTERM and SIGHUP end the command as Ctrl-C does, by an exception (errors.Interrupted), so
     that the writer's cleanup runs. One signal is enough: more are ignored while it unwinds. A signal
-    ignored from the start stays ignored (nohup's SIGHUP, SIGINT in a background job)."""
+    ignored from the start stays ignored (nohup's SIGHUP, SIGINT in a background job). During a commit
+    and its cleanup (interrupts.deferred) the signal waits for their end."""
     def on_signal(signum, frame):
+        if postpone(signum, frame):         # in a commit, or in a finalizer (which would drop the exception)
+            return
         for s in INTERRUPTS:
             signal.signal(s, signal.SIG_IGN)
         raise Interrupted(signum)
@@ -150,6 +151,7 @@ def interrupts_raise():
             signal.signal(s, on_signal)
     try:
         yield
+        deliver_postponed()             # one a finalizer kept: the command ends by it, after all
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -273,10 +275,10 @@ def convert(
       128+N  ended by signal N (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP); nothing written
     """
     from .convert import build_plan, convert as run, plan_policy
-    from .gguf_io import check_split_max_size
+    from .gguf_io import check_split_max_size, output_lock
     started, result, one = time.time(), None, None
     try:
-        with interrupts_raise():
+        with interrupts_raise(), ExitStack() as held:
             max_size = 0
             if split_max_size is not None:
                 max_size = parse_size(split_max_size)
@@ -284,6 +286,8 @@ def convert(
             check_count(split_max_tensors, "--split-max-tensors", 0)
             quant_options = _policy_options(policy, tensor_type, tensor_type_file, imatrix, allow_requantize,
                                             strict, dry_run)      # policy and imatrix errors come first
+            if not dry_run:             # a second run into OUT refuses before reading 96 shard headers
+                held.enter_context(output_lock(out))
             reading(hf_dir)
             plan = build_plan(hf_dir, outtype)
             if quant_options is not None:
@@ -337,7 +341,7 @@ def interrupted(e: Interrupted, out: Path, started: float, result) -> None:
 
 def _written_since(out: Path, since: float) -> bool:
     parts = [out, *out.parent.glob(glob.escape(out.stem) + "-*-of-*.gguf")]
-    return any(p.is_file() and p.stat().st_mtime >= since for p in parts)
+    return any(p.exists() and p.stat().st_mtime >= since for p in parts)      # a file, or a slice's folder
 
 
 def dry_run_plan(plan, out: Path, split_max_tensors: int, split_max_size: int, force: bool, one=None) -> None:

@@ -26,9 +26,9 @@ from gguf import GGMLQuantizationType as QT
 
 from . import mxfp4
 from .checkpoint import DTYPE_SIZE, Checkpoint, SourceTensor, f32_to_bf16, to_f32
-from .checkpoint import _gc_paused as gc_paused
 from .constants import HF_TEXT_PREFIX, tname
 from .errors import CheckpointError, ConfigError
+from .gcutil import gc_paused
 from .gguf_io import (COPY_CHUNK, DirectSink, DiskRoom, FileRange, GGUFStreamWriter, OutTensor, Prefetch,
                       SourceFiles, check_free_disk, check_output_paths, check_split_max_size, disk_bytes, disk_room,
                       split_paths, stale_partials, tensor_nbytes)

@@ -125,9 +125,10 @@ class KimiConfig:
         return _gguf_metadata(self)
 
     @classmethod
-    def from_gguf(cls, fields: dict[str, Any]) -> "KimiConfig":
-        """From {key: python value} as read from a GGUF file (see gguf_io.open_gguf)."""
-        return _from_gguf(fields)
+    def from_gguf(cls, fields: dict[str, Any], source: str = "") -> "KimiConfig":
+        """From {key: python value} as read from a GGUF file (see gguf_io.open_gguf); `source` (the file)
+        starts every error message."""
+        return _from_gguf(fields, str(source))
 
 
 # ------------------------------------------------------------------------------------
@@ -412,53 +413,102 @@ def _gguf_metadata(c: KimiConfig) -> list[tuple[str, Any, VT, VT | None]]:
     return [(key(k, a), v, t, s) for k, v, t, s in kv]
 
 
-def _from_gguf(f: dict[str, Any]) -> KimiConfig:
+class _GGUFKeys:
+    """The architecture keys of one GGUF, each read typed and range-checked: a bad one is one ConfigError
+    naming the file and the key (a string where a count belongs, an array where a float does)."""
+
+    def __init__(self, fields: dict[str, Any], arch: str, source: str):
+        self.fields, self.arch, self.where = fields, arch, f"{source}: " if source else ""
+
+    def fail(self, name: str, problem: str) -> ConfigError:
+        return ConfigError(f"{self.where}GGUF metadata key {name} {problem}")
+
+    def raw(self, k: str, default: Any = _REQUIRED) -> tuple[str, Any]:
+        name = key(k, self.arch)
+        if name in self.fields:
+            return name, self.fields[name]
+        if default is _REQUIRED:
+            raise self.fail(name, "is missing")
+        return name, default
+
+    def int(self, k: str, default: Any = _REQUIRED, least: int = 1) -> int:
+        name, value = self.raw(k, default)
+        if type(value) is not int or not least <= value <= MAX_INT:
+            raise self.fail(name, f"must be an integer in {least}..{MAX_INT}, not {_show(value)}")
+        return value
+
+    def number(self, k: str, default: Any = _REQUIRED, *, above: float | None = None,
+               least: float | None = None) -> float:
+        name, value = self.raw(k, default)
+        if type(value) not in (int, float) or not math.isfinite(value):
+            raise self.fail(name, f"must be a finite number, not {_show(value)}")
+        if (above is not None and not value > above) or (least is not None and not value >= least):
+            raise self.fail(name, f"must be {f'above {above}' if above is not None else f'at least {least}'}, "
+                                  f"not {_show(value)}")
+        return float(value)
+
+    def flag(self, k: str, default: bool) -> bool:
+        name, value = self.raw(k, default)
+        if type(value) is not bool:
+            raise self.fail(name, f"must be true or false, not {_show(value)}")
+        return value
+
+    def per_layer(self, k: str, n_layer: int, default: Any = _REQUIRED) -> list | None:
+        name, value = self.raw(k, default)
+        if name not in self.fields:         # optional, and absent
+            return None
+        if type(value) is not list or len(value) != n_layer or not all(type(v) in (int, bool) for v in value):
+            raise self.fail(name, f"must be a per-layer array of {n_layer} integers, not {_show(value)}")
+        return value
+
+
+def _from_gguf(f: dict[str, Any], source: str = "") -> KimiConfig:
     arch = f.get("general.architecture")
     if arch not in HF_ARCHITECTURES.values():
-        raise ConfigError(f"GGUF architecture {arch!r} is not kimi-k3 or kimi-k31")
-
-    def g(k: str, default: Any = ...):
-        name = key(k, arch)
-        if name in f:
-            return f[name]
-        if default is ...:
-            raise ConfigError(f"GGUF metadata key {name} is missing")
-        return default
-
-    n_layer = int(g(Key.BLOCK_COUNT))
-    kv_heads = g(Key.HEAD_COUNT_KV)
-    if not isinstance(kv_heads, list) or len(kv_heads) != n_layer:
-        raise ConfigError(f"{arch}.attention.head_count_kv must be a per-layer array of {n_layer}")
+        where = f"{source}: " if source else ""
+        shown = repr(arch) if len(repr(arch)) <= 60 else repr(arch)[:60] + "..."
+        raise ConfigError(f"{where}GGUF architecture {shown} is not kimi-k3 or kimi-k31")
+    g = _GGUFKeys(f, arch, source)
+    n_layer = g.int(Key.BLOCK_COUNT)
+    kv_heads = g.per_layer(Key.HEAD_COUNT_KV, n_layer)
     full = tuple(i for i, h in enumerate(kv_heads) if h)
     indexer = None
     if arch == ARCH_K31:
-        types = g(Key.INDEXER_TYPES, None)
+        types = g.per_layer(Key.INDEXER_TYPES, n_layer, None)
         if types is not None and [bool(t) for i, t in enumerate(types) if i in full] != [True] * len(full):
-            raise ConfigError(f"{arch}.attention.indexer.types: every MLA layer must own an indexer")
-        indexer = IndexerConfig(n_head=int(g(Key.INDEXER_HEAD_COUNT)), head_dim=int(g(Key.INDEXER_KEY_LENGTH)),
-                                top_k=int(g(Key.INDEXER_TOP_K)),
-                                norm_eps=float(g(Key.LAYER_NORM_EPS, g(Key.RMS_EPS))))
-    key_mla = int(g(Key.KEY_LENGTH_MLA))
-    rope = int(g(Key.ROPE_DIMENSION_COUNT))
-    lb = g(Key.KDA_GATE_LOWER_BOUND, None)
+            raise g.fail(key(Key.INDEXER_TYPES, arch), "must give an indexer to every MLA layer")
+        indexer = IndexerConfig(n_head=g.int(Key.INDEXER_HEAD_COUNT), head_dim=g.int(Key.INDEXER_KEY_LENGTH),
+                                top_k=g.int(Key.INDEXER_TOP_K),
+                                norm_eps=g.number(Key.LAYER_NORM_EPS, g.number(Key.RMS_EPS, above=0), above=0))
+    key_mla = g.int(Key.KEY_LENGTH_MLA)
+    rope = g.int(Key.ROPE_DIMENSION_COUNT)
+    if rope >= key_mla:
+        raise g.fail(key(Key.ROPE_DIMENSION_COUNT, arch), f"must be below key_length_mla ({key_mla}), not {rope}")
+    n_expert, n_expert_used = g.int(Key.EXPERT_COUNT), g.int(Key.EXPERT_USED_COUNT)
+    if n_expert_used > n_expert:
+        raise g.fail(key(Key.EXPERT_USED_COUNT, arch), f"must be at most expert_count ({n_expert}), not {n_expert_used}")
+    n_dense = g.int(Key.LEADING_DENSE_BLOCK_COUNT, 0, least=0)
+    if n_dense > n_layer:
+        raise g.fail(key(Key.LEADING_DENSE_BLOCK_COUNT, arch), f"must be at most block_count ({n_layer}), not {n_dense}")
+    lb = g.raw(Key.KDA_GATE_LOWER_BOUND, None)[1]
+    tokens = f.get("tokenizer.ggml.tokens", [])
     return KimiConfig(
-        arch=arch, n_layer=n_layer, n_embd=int(g(Key.EMBEDDING_LENGTH)),
-        n_vocab=int(g(Key.VOCAB_SIZE, 0)) or len(f.get("tokenizer.ggml.tokens", [])),
-        n_ctx_train=int(g(Key.CONTEXT_LENGTH)), n_head=int(g(Key.HEAD_COUNT)),
-        rms_eps=float(g(Key.RMS_EPS)),
-        kda_head_dim=int(g(Key.KDA_HEAD_DIM)), conv_kernel=int(g(Key.SSM_CONV_KERNEL)),
-        gate_lower_bound=None if lb is None else float(lb),
-        q_lora_rank=int(g(Key.Q_LORA_RANK, 0)), kv_lora_rank=int(g(Key.KV_LORA_RANK)),
+        arch=arch, n_layer=n_layer, n_embd=g.int(Key.EMBEDDING_LENGTH),
+        n_vocab=g.int(Key.VOCAB_SIZE, 0, least=0) or (len(tokens) if type(tokens) is list else 0),
+        n_ctx_train=g.int(Key.CONTEXT_LENGTH, least=0), n_head=g.int(Key.HEAD_COUNT),
+        rms_eps=g.number(Key.RMS_EPS, above=0),
+        kda_head_dim=g.int(Key.KDA_HEAD_DIM), conv_kernel=g.int(Key.SSM_CONV_KERNEL),
+        gate_lower_bound=None if lb is None else g.number(Key.KDA_GATE_LOWER_BOUND),
+        q_lora_rank=g.int(Key.Q_LORA_RANK, 0, least=0), kv_lora_rank=g.int(Key.KV_LORA_RANK),
         qk_nope_head_dim=key_mla - rope, qk_rope_head_dim=rope,
-        v_head_dim=int(g(Key.VALUE_LENGTH_MLA)),
-        n_ff=int(g(Key.FEED_FORWARD_LENGTH)), n_dense_layers=int(g(Key.LEADING_DENSE_BLOCK_COUNT, 0)),
-        n_expert=int(g(Key.EXPERT_COUNT)), n_expert_used=int(g(Key.EXPERT_USED_COUNT)),
-        n_expert_shared=int(g(Key.EXPERT_SHARED_COUNT)), n_ff_exp=int(g(Key.EXPERT_FEED_FORWARD_LENGTH)),
-        n_latent=int(g(Key.EXPERT_LATENT_LENGTH, 0)),
-        expert_weights_norm=bool(g(Key.EXPERT_WEIGHTS_NORM, False)),
-        expert_weights_scale=float(g(Key.EXPERT_WEIGHTS_SCALE, 1.0)),
-        situ_beta=float(g(Key.SITU_BETA)), situ_linear_beta=float(g(Key.SITU_LINEAR_BETA)),
-        attn_res_block_size=int(g(Key.ATTN_RES_BLOCK_SIZE)),
+        v_head_dim=g.int(Key.VALUE_LENGTH_MLA),
+        n_ff=g.int(Key.FEED_FORWARD_LENGTH), n_dense_layers=n_dense, n_expert=n_expert, n_expert_used=n_expert_used,
+        n_expert_shared=g.int(Key.EXPERT_SHARED_COUNT), n_ff_exp=g.int(Key.EXPERT_FEED_FORWARD_LENGTH),
+        n_latent=g.int(Key.EXPERT_LATENT_LENGTH, 0, least=0),
+        expert_weights_norm=g.flag(Key.EXPERT_WEIGHTS_NORM, False),
+        expert_weights_scale=g.number(Key.EXPERT_WEIGHTS_SCALE, 1.0, above=0),
+        situ_beta=g.number(Key.SITU_BETA, above=0), situ_linear_beta=g.number(Key.SITU_LINEAR_BETA, least=0),
+        attn_res_block_size=g.int(Key.ATTN_RES_BLOCK_SIZE, least=0),      # 0: a plain pre-norm residual
         full_attn_layers=full, indexer=indexer,
     )
 

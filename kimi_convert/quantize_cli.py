@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import List, Optional
 
@@ -80,11 +81,11 @@ def quantize(
       3      not enough free disk for the output (+ 64 MiB)
       128+N  ended by signal N; nothing written
     """
-    from .gguf_io import check_split_max_size, open_gguf
+    from .gguf_io import check_split_max_size, open_gguf, output_lock
     from .quant.driver import plan_file, quantize_file
     started, result = time.time(), None
     try:
-        with interrupts_raise():
+        with interrupts_raise(), ExitStack() as held:
             if keep_split and split_max_size is not None:
                 raise KimiError("--keep-split and --split-max-size exclude each other")
             if not (explain or dry_run) and out is None:
@@ -98,6 +99,8 @@ def quantize(
                 check_report_path(json_file)
             pol, imat = load_policy_options(policy, tensor_type, tensor_type_file, imatrix,
                                             allow_requantize=allow_requantize, plan_only=explain or dry_run)
+            if not (explain or dry_run):        # a second run into OUT refuses before reading IN
+                held.enter_context(output_lock(out))
             reading(src)
             gf = open_gguf(src)
             plan = plan_file(gf, pol, allow_requantize=allow_requantize, strict=strict)

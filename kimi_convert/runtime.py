@@ -509,7 +509,7 @@ class Runtime:
         self.matmul_hook = matmul_hook
         self.path = Path(path)
         gf = open_gguf(self.path)
-        cfg = KimiConfig.from_gguf(gf.fields)
+        cfg = KimiConfig.from_gguf(gf.fields, gf.paths[0])
         # a tensor stored without its trailing ggml 1-dims (llama-quantize's) is read in our shape
         self.gf = gf.with_shapes({name: shape for name, (_, shape) in gguf_tensors(cfg).items()})
         self.cfg = cfg.with_top_k(top_k) if top_k is not None else cfg

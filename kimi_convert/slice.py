@@ -19,6 +19,7 @@ Layer selection (`parse_layers`):
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -30,6 +31,7 @@ from pathlib import Path
 from .checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint, SourceTensor
 from .errors import ConfigError, KimiError, OutputError
 from .gguf_io import FileRange, copy_range, SourceFiles
+from .interrupts import deferred
 from .model import DSA_ALIASES, KimiConfig
 from .tensor_map import sanitize
 
@@ -210,33 +212,38 @@ def slice_checkpoint(hf_dir: Path, out_dir: Path, layers: str | list[int], *,
     tmp = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    try:
-        weight_map, total, shards = {}, 0, []
-        with SourceFiles() as sources:
-            for k, group in enumerate(groups, start=1):
-                fname = shard_name(k, n_shards)
-                total += _write_shard(tmp / fname, group, sources)
-                shards.append(fname)
-                weight_map.update({name: fname for name, _ in group})
-        (tmp / INDEX_NAME).write_text(json.dumps(
-            {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
-            indent=2) + "\n")
-        (tmp / "config.json").write_text(json.dumps(new_raw, indent=2, sort_keys=True,
-                                                    ensure_ascii=False) + "\n")
-        copied = []
-        for p in sorted(hf_dir.iterdir()):
-            if p.is_file() and p.name not in _COPY_SKIP and not p.name.endswith(".safetensors"):
-                shutil.copy2(p, tmp / p.name)
-                copied.append(p.name)
+    with contextlib.ExitStack() as settling:      # from the install, or a failure, on: signals wait
         try:
-            new_cfg = KimiConfig.from_hf_dir(tmp)          # the rewritten config must parse
-        except ConfigError as e:
-            raise SliceError(f"slice config is inconsistent: {e}") from None
-        _install(tmp, out_dir)
-    except OSError as e:
-        raise OutputError(f"{out_dir}: cannot write the slice ({e.strerror or e})") from None
-    finally:
+            tmp.mkdir(parents=True)
+            weight_map, total, shards = {}, 0, []
+            with SourceFiles() as sources:
+                for k, group in enumerate(groups, start=1):
+                    fname = shard_name(k, n_shards)
+                    total += _write_shard(tmp / fname, group, sources)
+                    shards.append(fname)
+                    weight_map.update({name: fname for name, _ in group})
+            (tmp / INDEX_NAME).write_text(json.dumps(
+                {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
+                indent=2) + "\n")
+            (tmp / "config.json").write_text(json.dumps(new_raw, indent=2, sort_keys=True,
+                                                        ensure_ascii=False) + "\n")
+            copied = []
+            for p in sorted(hf_dir.iterdir()):
+                if p.is_file() and p.name not in _COPY_SKIP and not p.name.endswith(".safetensors"):
+                    shutil.copy2(p, tmp / p.name)
+                    copied.append(p.name)
+            try:
+                new_cfg = KimiConfig.from_hf_dir(tmp)          # the rewritten config must parse
+            except ConfigError as e:
+                raise SliceError(f"slice config is inconsistent: {e}") from None
+            settling.enter_context(deferred())
+            _install(tmp, out_dir)
+        except BaseException as e:
+            settling.enter_context(deferred())
+            shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, OSError):
+                raise OutputError(f"{out_dir}: cannot write the slice ({e.strerror or e})") from None
+            raise
         shutil.rmtree(tmp, ignore_errors=True)
     return SliceResult(out_dir, chosen, len(weight_map), total, shards, dropped, copied, new_cfg)
 

@@ -2,7 +2,7 @@
 
 With the HF checkpoint (`verify(gguf, hf_dir)`), seven parts, each pass/fail with figures:
 
-  structure   the file(s) parse; tensor data aligned, inside the file, not overlapping
+  structure   the file(s) parse; tensor data aligned, inside the file, packed in order (as llama.cpp requires)
   tensors     every GGUF tensor against its HF source through the plan's transform:
               bit-exact for float and MXFP4 tensors; a quantized one must be, byte for byte,
               our quantization (quant.blocks, with the imatrix) of the values the converter
@@ -233,13 +233,34 @@ def kl_div(ref: np.ndarray, other: np.ndarray) -> np.ndarray:
     return np.maximum((np.exp(lr) * (lr - lo)).sum(-1), 0.0)
 
 
-def perplexity(logits: np.ndarray, ids: list[int], positions: list[int] | None = None) -> float:
-    """exp(mean -log p(ids[t+1] | logits[t])) over positions t (default: all but the last)."""
+def mean_nll(logits: np.ndarray, ids: list[int], positions: list[int] | None = None) -> float:
+    """mean -log p(ids[t+1] | logits[t]) over positions t (default: all but the last); NaN if none."""
     lp = log_softmax(logits)
     pos = [t for t in (positions if positions is not None else range(len(ids) - 1)) if t < len(ids) - 1]
     if not pos:
         return float("nan")
-    return float(math.exp(-np.mean([lp[t, ids[t + 1]] for t in pos])))
+    return float(-np.mean([lp[t, ids[t + 1]] for t in pos]))
+
+
+MAX_EXP_ARG = math.log(np.finfo(np.float64).max)
+
+
+def exp_or_inf(x: float) -> float:
+    """exp(x), infinite where a float64 overflows (damaged weights give a mean NLL of 1e30), NaN for NaN."""
+    return math.inf if x > MAX_EXP_ARG else math.exp(x)
+
+
+def perplexity(logits: np.ndarray, ids: list[int], positions: list[int] | None = None) -> float:
+    """exp(mean NLL), infinite if it overflows."""
+    return exp_or_inf(mean_nll(logits, ids, positions))
+
+
+def perplexity_ratio(run: np.ndarray, ref: np.ndarray, ids: list[int],
+                     positions: list[int] | None = None) -> tuple[float, float]:
+    """(ln ratio, ratio) of two perplexities, from the difference of their mean NLLs: finite whenever both
+    are, however large (NaN if both are infinite: inf / inf says nothing)."""
+    log_ratio = mean_nll(run, ids, positions) - mean_nll(ref, ids, positions)
+    return log_ratio, exp_or_inf(log_ratio)
 
 
 @dataclass
@@ -350,7 +371,7 @@ def check_structure(part: Part, path: Path) -> Part:
     n_tensors, unreadable = 0, 0
     for p in parts:
         try:
-            r = read_gguf(p)        # checks alignment, sizes, bounds and overlaps; names the first fault
+            r = read_gguf(p)        # checks alignment, sizes, bounds and packing; names the first fault
         except KimiError as e:
             part.fail(str(e))
             unreadable += 1
@@ -1043,11 +1064,12 @@ def check_perplexity(part: Part, runs: _Runs, tol: Tolerance) -> Part:
     flags = routing_flags(tol.margin, ("runtime", m_run), ("reference", m_ref))
     judged = [t for t in range(len(runs.ids) - 1) if t not in flags.reasons]
     p_run, p_ref = perplexity(run, runs.ids, judged), perplexity(ref, runs.ids, judged)
-    ratio = p_run / p_ref
+    log_ratio, ratio = perplexity_ratio(run, ref, runs.ids, judged)
     scale = float(np.sqrt(np.mean(np.asarray(ref, np.float64) ** 2))) or 1.0
     bound = tol.ppl_bound(scale)
-    if not (math.isfinite(ratio) and abs(math.log(ratio)) <= bound):
-        part.fail(f"perplexity ratio {ratio:.6f}: |ln ratio| {abs(math.log(ratio)):.2e} > {bound:.2e}")
+    if not abs(log_ratio) <= bound:                     # NaN fails too
+        part.fail(f"perplexity ratio {ratio:.6f}: |ln ratio| {abs(log_ratio):.2e} > {bound:.2e}"
+                  + ("" if math.isfinite(log_ratio) else f" (perplexities {p_run:.4g} and {p_ref:.4g})"))
     part.figures = {"runtime": p_run, "reference": p_ref, "ratio": ratio, "log_ratio_bound": bound,
                     "positions": judged, "runtime_all": perplexity(run, runs.ids),
                     "reference_all": perplexity(ref, runs.ids)}
@@ -1062,15 +1084,16 @@ def check_cost(part: Part, runs: _Runs, max_kl: float | None) -> Part:
     ref, _ = runs.reference(on=CHECKPOINT)
     kl = kl_div(ref, run)
     p_run, p_ref = perplexity(run, runs.ids), perplexity(ref, runs.ids)
+    _, ppl_ratio = perplexity_ratio(run, ref, runs.ids)
     agree = int((run.argmax(-1) == ref.argmax(-1)).sum())
     if max_kl is not None and not kl.mean() <= max_kl:
         part.fail(f"mean KL {kl.mean():.3e} against the checkpoint is above --max-kl {max_kl:g}")
     part.figures = {"kl_mean": float(kl.mean()), "kl_max": float(kl.max()), "ppl_runtime": p_run,
-                    "ppl_checkpoint": p_ref, "ppl_ratio": p_run / p_ref, "argmax_agree": agree,
+                    "ppl_checkpoint": p_ref, "ppl_ratio": ppl_ratio, "argmax_agree": agree,
                     "positions": len(kl), "max_kl": max_kl}
     part.rows = [{"position": t, "kl": float(kl[t]), "argmax_run": int(run[t].argmax()),
                   "argmax_checkpoint": int(ref[t].argmax())} for t in range(len(kl))]
-    part.finish(f"mean KL {kl.mean():.2e} (max {kl.max():.2e}), perplexity ratio {p_run / p_ref:.4f}, argmax "
+    part.finish(f"mean KL {kl.mean():.2e} (max {kl.max():.2e}), perplexity ratio {ppl_ratio:.4f}, argmax "
                 f"{agree}/{len(kl)} against the checkpoint as is"
                 + (f" (gate: mean KL <= {max_kl:g})" if max_kl is not None else " (information)"))
     if max_kl is None:
@@ -1281,7 +1304,7 @@ COST_TITLE = "quantization cost (vs the checkpoint)"
 def _lone_parts(gf: GGUFFile, runs: "_Runs", tol: Tolerance, log) -> list[Part]:
     meta = Part("metadata", "metadata (keys and types)")
     try:
-        cfg = KimiConfig.from_gguf(gf.fields)
+        cfg = KimiConfig.from_gguf(gf.fields, gf.paths[0])
     except KimiError as e:
         meta.fail(str(e))
         meta.ok, meta.summary = False, "the architecture cannot be read from the metadata"

@@ -23,6 +23,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import os
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 from pathlib import Path
@@ -31,11 +32,13 @@ from typing import Any
 import gguf
 
 from .chat_template import K3_CHAT_TEMPLATE
+from .checkpoint import read_input
 from .errors import KimiError
 
 TIKTOKEN_FILE = "tiktoken.model"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
+MAX_TOKENIZER_FILE_BYTES = 256 << 20     # read whole: the real K3's tiktoken.model is 2.8 MB, its config 0.2 MB
 
 # the Kimi tokenizer reserves this many special ids right after the ranked tokens
 N_RESERVED_SPECIAL = 256
@@ -123,12 +126,9 @@ def write_vocab(vocab: Vocab, writer: gguf.GGUFWriter) -> None:
 
 def read_tiktoken(path: Path) -> list[bytes]:
     """The ranked tokens of a tiktoken file, indexed by rank (ranks must be 0..n-1)."""
-    try:
-        text = path.read_text(encoding="ascii")
-    except FileNotFoundError:
-        raise VocabError(f"{path}: missing (the tokenizer's ranked tokens)") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise VocabError(f"{path}: unreadable: {e}") from None
+    text = read_input(path, MAX_TOKENIZER_FILE_BYTES, VocabError, missing="missing (the tokenizer's ranked tokens)")
+    if not text.isascii():
+        raise VocabError(f"{path}: not ASCII (a tiktoken file is base64 and ranks)")
 
     by_rank: dict[int, bytes] = {}
     seen: dict[bytes, int] = {}
@@ -245,11 +245,12 @@ def _unicode_table() -> dict[int, str]:
 
 
 def _read_tokenizer_config(path: Path) -> dict:
+    text = read_input(path, MAX_TOKENIZER_FILE_BYTES, VocabError, missing="missing (it names the special tokens)")
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise VocabError(f"{path}: missing (it names the special tokens)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        config = json.loads(text)
+    except RecursionError:
+        raise VocabError(f"{path}: not valid JSON: nested too deeply") from None
+    except ValueError as e:         # json.JSONDecodeError, an integer of over 4300 digits
         raise VocabError(f"{path}: not valid JSON: {e}") from None
     if not isinstance(config, dict):
         raise VocabError(f"{path}: expected a JSON object")
@@ -341,9 +342,6 @@ def _chat_template(hf_dir: Path, config: dict) -> str:
     if isinstance(template, str) and template.strip():
         return template
     jinja_file = hf_dir / CHAT_TEMPLATE_FILE
-    if jinja_file.is_file():
-        try:
-            return jinja_file.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise VocabError(f"{jinja_file}: unreadable: {e}") from None
+    if os.path.lexists(jinja_file):         # there: a regular file (a FIFO or a folder is refused, naming it)
+        return read_input(jinja_file, MAX_TOKENIZER_FILE_BYTES, VocabError)
     return K3_CHAT_TEMPLATE

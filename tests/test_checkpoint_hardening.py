@@ -849,3 +849,54 @@ def test_config_json_text_edits_give_a_config_or_one_error(tmp_path_factory, edi
         assert_writable(KimiConfig.from_hf_dir(folder))
     except ConfigError as e:
         assert str(e).startswith(f"{folder / 'config.json'}: ") and "\n" not in str(e), str(e)
+
+
+# --- the architecture keys of a GGUF ----------------------------------------------------------
+
+def gguf_fields(raw: dict) -> dict:
+    """{key: value} as open_gguf gives them for the file this config converts to."""
+    cfg = KimiConfig.from_hf(raw)
+    return {"general.architecture": cfg.arch, **{k: v for k, v, _, _ in cfg.gguf_metadata()}}
+
+
+@pytest.mark.parametrize("name, value, problem", [
+    ("kimi-k3.block_count", "four", 'must be an integer in 1..2147483647, not "four"'),
+    ("kimi-k3.block_count", 4.0, "must be an integer in 1..2147483647, not 4.0"),
+    ("kimi-k3.expert_count", [64], "must be an integer in 1..2147483647, not [64]"),
+    ("kimi-k3.attention.layer_norm_rms_epsilon", "1e-5", 'must be a finite number, not "1e-5"'),
+    ("kimi-k3.attention.layer_norm_rms_epsilon", [1e-5], "must be a finite number, not [1e-05]"),
+    ("kimi-k3.attention.layer_norm_rms_epsilon", float("nan"), "must be a finite number, not NaN"),
+    ("kimi-k3.expert_weights_norm", 1, "must be true or false, not 1"),
+    ("kimi-k3.attention.head_count_kv", "1", 'must be a per-layer array of 4 integers, not "1"'),
+])
+def test_a_gguf_key_of_the_wrong_type_is_one_error_naming_file_and_key(name, value, problem):
+    # int() and float() of such values raised ValueError or TypeError, or took "4" for 4
+    fields = gguf_fields(build_config(FixtureSpec(arch="k3", n_layers=4)))
+    assert name in fields
+    fields[name] = value
+    with pytest.raises(ConfigError) as e:
+        KimiConfig.from_gguf(fields, "/x/k3.gguf")
+    assert str(e.value) == f"/x/k3.gguf: GGUF metadata key {name} {problem}"
+
+
+GGUF_VALUES = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=4), st.lists(st.one_of(st.integers(-3, 2**32), st.booleans(), st.floats(), st.text(max_size=2)),
+                                  max_size=6))
+
+
+@settings(PROPERTY, max_examples=600)
+@given(arch=st.sampled_from(["k3", "k31"]), data=st.data())
+def test_gguf_keys_give_a_config_or_one_error(arch, data):
+    fields = gguf_fields(build_config(FixtureSpec(arch=arch, n_layers=4)))
+    assert KimiConfig.from_gguf(fields, "/x/a.gguf") == KimiConfig.from_gguf(dict(fields))      # the valid file
+    for _ in range(data.draw(st.integers(1, 3))):
+        name = data.draw(st.sampled_from(sorted(fields)))
+        if data.draw(st.integers(0, 5)) == 0:
+            fields.pop(name)
+        else:
+            fields[name] = data.draw(GGUF_VALUES)
+    try:
+        KimiConfig.from_gguf(fields, "/x/a.gguf")
+    except ConfigError as e:            # any other exception fails the test
+        assert str(e).startswith("/x/a.gguf: GGUF ") and "\n" not in str(e), str(e)

@@ -193,6 +193,71 @@ def test_sigterm_during_a_slice_leaves_nothing(monkeypatch, k3_dir, out_dir):
     assert listing(out_dir) == set()
 
 
+def signal_during_cleanup(monkeypatch, sig: int) -> list[str]:
+    """shutil.rmtree sends `sig` to this process once it has begun removing a partial folder (as a signal that
+    lands in the writer's cleanup after the commit would, seed 5 run 1086); the folders it was called on."""
+    real, calls = shutil.rmtree, []
+
+    def rmtree(path, *args, **kwargs):
+        if ".partial-" in Path(path).name and not calls:
+            calls.append(str(path))
+            first = next(Path(path).iterdir(), None) if Path(path).is_dir() else None
+            if first is not None and first.is_file():
+                first.unlink()                      # the removal is under way
+            os.kill(os.getpid(), sig)
+        return real(path, *args, **kwargs)
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    return calls
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=lambda s: s.name)
+@pytest.mark.parametrize("command", ["convert", "convert-split", "slice"])
+def test_a_signal_during_the_cleanup_after_the_commit_waits_for_its_end(monkeypatch, k3_dir, out_dir, command, sig):
+    """The commit and the cleanup run to their end, then the signal is delivered: the output is complete and
+    nothing else is left (no partial folder, no lock)."""
+    calls = signal_during_cleanup(monkeypatch, sig)
+    args = {"convert": ("kimi-convert", k3_dir, out_dir / "x.gguf"),
+            "convert-split": ("kimi-convert", k3_dir, out_dir / "x.gguf", "--split-max-tensors", "40"),
+            "slice": ("kimi-verify", "slice", k3_dir, out_dir / "sliced", "--layers", "2")}[command]
+    r = run(*args)
+    assert calls, "the cleanup was not reached"
+    out = out_dir / ("sliced" if command == "slice" else "x.gguf")
+    assert r.code == 128 + sig and r.one_error() == \
+        f"error: {out}: interrupted by {signal.Signals(sig).name} after {out} was complete"
+    assert not [p for p in listing(out_dir) if p.startswith(".")], listing(out_dir)
+    if command == "slice":
+        assert (out / "config.json").is_file()
+    else:
+        parts = sorted(out_dir.glob("x*.gguf"))
+        assert parts and all(p.stat().st_size > 0 for p in parts)
+
+
+@pytest.mark.parametrize("prog", ["kimi-convert", "kimi-quantize"])
+def test_a_second_run_into_a_locked_output_refuses_before_reading_its_input(monkeypatch, k3_dir, gguf, out_dir, prog):
+    """The output lock comes before the plan (96 shard headers, or the input GGUF's): a run that must refuse
+    does no heavy work first."""
+    import fcntl
+    import kimi_convert.gguf_io as gguf_io_mod
+
+    def planned(*args, **kwargs):
+        raise AssertionError("the input was read before the output lock was taken")
+    monkeypatch.setattr(convert_mod, "build_plan", planned)
+    monkeypatch.setattr(gguf_io_mod, "open_gguf", planned)
+    out = out_dir / "x.gguf"
+    lock = out_dir / ".x.gguf.lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.write(fd, b"4242\n")               # another run's lock (flock conflicts across open files, too)
+        args = [k3_dir, out] if prog == "kimi-convert" else ["--policy", "q8_0", gguf, out]
+        r = run(prog, *args)
+    finally:
+        os.close(fd)
+    assert r.one_error() == (f"error: {out}: another run (process 4242) is writing this output now ({lock} is "
+                             f"locked); wait for it to end, or stop it")
+    assert r.fallback is None and listing(out_dir) == {".x.gguf.lock"}
+
+
 def test_a_slice_removes_the_partial_folder_of_a_dead_run(k3_dir, out_dir):
     stale = out_dir / ".sliced.partial-999999999"          # no process has that id
     stale.mkdir()

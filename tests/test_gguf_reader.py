@@ -242,11 +242,20 @@ BAD = {
                               r"tensor b: rows of 16 values are not a whole number of Q8_0 blocks of 32"),
     "misaligned offset": (build(tensors=replaced(BASE_TENSORS, 1, tinfo("b", [8], QT.F32, 36))),
                           r"tensor b: data offset 36 is not a multiple of the alignment 32"),
-    "tensor past the end": (build(tensors=replaced(BASE_TENSORS, 1, tinfo("b", [8], QT.F32, 2**40))),
+    "tensor past the end": (build(data=BASE_DATA[:32]),
                             r"truncated: tensor b starts at byte \d+, the file has \d+ bytes"),
+    "offset past the end": (build(tensors=replaced(BASE_TENSORS, 1, tinfo("b", [8], QT.F32, 2**40))),
+                            r"tensor b: data offset 1099511627776, expected 32 \(tensors must be packed in order"),
     "truncated data": (build()[:-10], r"truncated: tensor b ends at byte (\d+), the file has \d+ bytes \(10 missing\)"),
     "overlap": (build(tensors=replaced(BASE_TENSORS, 1, tinfo("b", [8], QT.F32, 0))),
-                r"tensors a and b overlap \(bytes \d+\.\.\d+\)"),
+                r"tensor b: data offset 0, expected 32 \(tensors must be packed in order, each padded to the "
+                r"alignment\)$"),
+    # a dim of a shrunk after writing (as the campaign does): a gap of 32 bytes before b, which llama.cpp refuses
+    "gap after a shrunk dim": (build(tensors=[tinfo("a", [4, 1], QT.F32, 0), tinfo("b", [8], QT.F32, 64)],
+                                     data=BASE_DATA + bytes(64)),
+                               r"tensor b: data offset 64, expected 32 \(tensors must be packed in order"),
+    "out of info order": (build(tensors=[tinfo("b", [8], QT.F32, 32), tinfo("a", [4, 2], QT.F32, 0)]),
+                          r"tensor b: data offset 32, expected 0 \(tensors must be packed in order"),
     "one line for a name with a newline": (build(kvs=BASE_KVS + [kv("a\nb", VT.UINT8, b"\0")] * 2),
                                            r"key 'a\\nb': appears twice$"),
 }

@@ -447,6 +447,31 @@ def test_resume_writes_again_a_part_that_no_longer_matches_its_journal(tmp_path,
     same_files(output_of(out_dir, "s.gguf"), converted)
 
 
+def test_ctrl_c_while_resuming_keeps_the_parts_taken_over(tmp_path, ckpt, converted, convert_killed, monkeypatch):
+    """Ctrl-C during a --resume run must not remove what it took over from the killed run: the folder (now
+    named after this process) keeps the finished parts and their journal, and the next --resume keeps them."""
+    from kimi_convert.gguf_io.writer import GGUFStreamWriter
+    out_dir, folder = leftovers(convert_killed, tmp_path)
+    kept = kept_parts(folder)
+    write_part = GGUFStreamWriter._write_part
+
+    def interrupted(self, *args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(GGUFStreamWriter, "_write_part", interrupted)
+    notes: list[str] = []
+    with pytest.raises(KeyboardInterrupt):
+        convert(build_plan(ckpt), out_dir / "s.gguf", split_max_size=SPLIT, resume=True, log=notes.append)
+    (ours,) = partials(out_dir)
+    assert ours.name.endswith(f"-{os.getpid()}") and kept_parts(ours) == kept, notes
+    assert notes[-1].startswith(f"--resume: interrupted; kept {ours} with the finished parts its journal lists")
+    monkeypatch.setattr(GGUFStreamWriter, "_write_part", write_part)
+    notes.clear()
+    os.rename(ours, folder)              # as if the interrupted process were gone (its pid is ours, alive)
+    convert(build_plan(ckpt), out_dir / "s.gguf", split_max_size=SPLIT, resume=True, log=notes.append)
+    assert f"kept {len(kept)} of 8 part(s)" in notes[-1], notes
+    same_files(output_of(out_dir, "s.gguf"), converted)
+
+
 def test_resume_with_nothing_to_resume_writes_everything(tmp_path, ckpt, converted):
     notes: list[str] = []
     convert(build_plan(ckpt), tmp_path / "s.gguf", split_max_size=SPLIT, resume=True, log=notes.append)

@@ -98,7 +98,14 @@ CASES = {
                            ["blk.0.attn_q.weight"]),
     "strict": (lambda t, s: ["--policy", "q8_0", "--strict", "--tensor-type", "exps=q4_k", s],
                ["--strict", "protected (mxfp4)"]),
+    # the header counts 0 tensors: the keys still parse, and an empty "model" came out with exit 0
+    "no tensors": (lambda t, s: ["--policy", "q8_0", _write(t / "none.gguf", _no_tensors(s.read_bytes()))],
+                   ["none.gguf", "holds no tensors", "kimi-k3 GGUF with no tensors is not a model"]),
 }
+
+
+def _no_tensors(data: bytes) -> bytes:
+    return data[:8] + (0).to_bytes(8, "little") + data[16:]
 
 
 def _write(path: Path, data: bytes) -> Path:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -20,8 +21,8 @@ from kimi_convert.convert import build_plan, convert
 from kimi_convert.fixtures.make_checkpoint import make_checkpoint
 from kimi_convert.gguf_io import open_gguf
 from kimi_convert.model import KimiConfig
-from kimi_convert.verify import (DIVERGENCE_MIN, TOLERANCES, Part, _Runs, check_k31, check_tensors, compare_logits,
-                                 token_sequence, verify)
+from kimi_convert.verify import (DIVERGENCE_MIN, TOLERANCES, Part, _Runs, check_cost, check_k31, check_perplexity,
+                                 check_tensors, compare_logits, perplexity, perplexity_ratio, token_sequence, verify)
 from kimi_convert.verify_cli import app
 
 N = 24          # tokens: short keeps the file fast, and still > 4x the forced top_k
@@ -271,6 +272,38 @@ def test_near_ties_are_excluded_only_where_flagged():
     c = compare_logits(run, ref, tol, [5])
     assert c["ok"] and c["excluded"] == [5] and c["judged"] == 7
     assert not compare_logits(run, ref, tol, [0, 1, 2, 3, 5])["ok"]   # too few positions left
+
+
+class _FixedRuns:
+    """Logits given, for the parts that only compare them (no forward pass)."""
+
+    def __init__(self, run: np.ndarray, ref: np.ndarray, ids: list[int]):
+        self._run, self._ref, self.ids, self.weights = run, ref, ids, None
+
+    def runtime(self, **_):
+        return self._run, {}
+
+    def reference(self, **_):
+        return self._ref, {}
+
+
+def test_huge_logits_give_an_infinite_perplexity_not_an_overflow():
+    # flipped data bytes can make logits of 1e30: exp(mean NLL) overflowed a float (OverflowError, seed 5 run 211)
+    rng = np.random.default_rng(0)
+    ids = [int(i) for i in rng.integers(0, 50, 8)]
+    ref = rng.standard_normal((8, 50))
+    run = ref.copy()
+    run[:, 0] = 1e30                               # the file's logits put every token but 0 at -1e30
+    assert perplexity(run, ids) == math.inf and np.isfinite(perplexity(ref, ids))
+    log_ratio, ratio = perplexity_ratio(run, ref, ids)
+    assert log_ratio > 1e29 and ratio == math.inf
+    assert perplexity_ratio(ref, run, ids)[1] == 0.0
+    part = check_perplexity(Part("perplexity", "perplexity"), _FixedRuns(run, ref, ids), TOLERANCES["f32"])
+    assert part.ok is False and part.failures[0].startswith("perplexity ratio inf: |ln ratio| ")
+    part = check_perplexity(Part("perplexity", "perplexity"), _FixedRuns(ref, run, ids), TOLERANCES["f32"])
+    assert part.ok is False and part.failures[0].startswith("perplexity ratio 0.000000: |ln ratio| ")
+    cost = check_cost(Part("cost", "cost"), _FixedRuns(run, ref, ids), None)
+    assert cost.figures["ppl_runtime"] == math.inf and cost.figures["ppl_ratio"] == math.inf
 
 
 def test_cli_usage_errors_are_one_line(tmp_path, converted):

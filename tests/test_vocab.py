@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import random
+import signal
 from collections import Counter
 from pathlib import Path
 
@@ -215,6 +217,26 @@ def test_missing_files(tmp_path):
     (root / "tokenizer_config.json").write_text("{nope")
     with pytest.raises(VocabError, match=r"tokenizer_config\.json: not valid JSON"):
         load_vocab(root, text_config())
+
+
+@pytest.mark.parametrize("name", ["tiktoken.model", "tokenizer_config.json", "chat_template.jinja"])
+@pytest.mark.parametrize("kind", ["fifo", "folder"])
+def test_a_tokenizer_file_that_is_not_a_regular_file_is_refused_without_blocking(tmp_path, name, kind):
+    # a FIFO that no process writes blocked a plain open() forever (the checkpoint's shards were fixed alike)
+    root = write_checkpoint(tmp_path)
+    path = root / name
+    path.unlink(missing_ok=True)
+    os.mkfifo(path) if kind == "fifo" else path.mkdir()
+    previous = signal.signal(signal.SIGALRM, lambda *_: pytest.fail(f"reading {name} blocked"))
+    signal.alarm(20)
+    try:
+        with pytest.raises(VocabError) as err:
+            load_vocab(root, text_config())
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    what = "a FIFO (named pipe)" if kind == "fifo" else "a folder"
+    assert str(err.value) == f"{path}: is {what}, not a regular file"
 
 
 def test_bad_special_ids(tmp_path):

@@ -11,7 +11,8 @@ every fault into one CheckpointError line naming the file and the key, tensor or
 - `general.alignment`, if present, a UINT32 power of two;
 - tensor names unique (in all parts of a split file), valid UTF-8, shorter than 64 bytes (ggml's
   GGML_MAX_NAME); n_dims 1..4; dims positive with a product within int64; known ggml types; rows
-  a whole number of blocks; data offsets aligned; every tensor inside the file and none overlapping.
+  a whole number of blocks; data offsets aligned; tensors packed in info order, each padded to the
+  alignment (as llama.cpp's gguf.cpp requires), and every one inside the file.
 
 Tensor data stay on disk: `GGUFTensor.raw` is made on first use, a view of one memory map per part.
 """
@@ -33,8 +34,8 @@ from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUFValueType
 from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize
 
-from ..checkpoint import _gc_paused as gc_paused       # full collections over 500k new objects find nothing
 from ..errors import CheckpointError
+from ..gcutil import gc_paused        # full collections over 500k new objects find nothing
 from .writer import COPY_CHUNK, FileRange, tensor_nbytes
 
 VT = GGUFValueType
@@ -439,23 +440,21 @@ def _tensor_fault(name: str, dims: tuple[int, ...], raw_type: int, offset: int, 
     raise _Fault(f"{where}: data offset {offset} is not a multiple of the alignment {alignment}")
 
 
-def _check_ranges(infos: _Infos, data_offset: int, size: int) -> None:
-    """Every tensor inside the file, no two sharing a byte."""
-    room = size - data_offset
-    ranges = []
+def _check_ranges(infos: _Infos, data_offset: int, size: int, alignment: int) -> None:
+    """Tensors packed as llama.cpp's loader requires: in info order, each at the running sum of the sizes
+    before it, each padded to the alignment (so no gap and no overlap), and every one inside the file."""
+    expected = 0
     for name, (_, _, offset, nbytes) in infos.items():
-        if offset + nbytes > room:
+        if offset != expected:
+            raise _Fault(f"tensor {_shown(name)}: data offset {offset}, expected {expected} "
+                         f"(tensors must be packed in order, each padded to the alignment)")
+        if data_offset + offset + nbytes > size:
             start, end = data_offset + offset, data_offset + offset + nbytes
             if start >= size:
                 raise _Fault(f"truncated: tensor {_shown(name)} starts at byte {start}, the file has {size} bytes")
             raise _Fault(f"truncated: tensor {_shown(name)} ends at byte {end}, the file has {size} bytes "
                          f"({end - size} missing)")
-        ranges.append((offset, nbytes, name))
-    ranges.sort()                       # writers lay tensors out in order: a sorted list sorts in linear time
-    for (a, a_bytes, a_name), (b, _, b_name) in zip(ranges, ranges[1:]):
-        if b < a + a_bytes:
-            raise _Fault(f"tensors {_shown(a_name)} and {_shown(b_name)} overlap "
-                         f"(bytes {data_offset + b}..{data_offset + a + a_bytes - 1})")
+        expected = offset + -(-nbytes // alignment) * alignment
 
 
 def _parse(path: Path, mapped, size: int) -> GGUFFile:
@@ -470,7 +469,7 @@ def _parse_all(path: Path, mapped, size: int) -> GGUFFile:
     alignment = _alignment(fields, types)
     infos = _read_tensor_infos(cur, n_tensors, alignment)
     data_offset = -(-cur.pos // alignment) * alignment
-    _check_ranges(infos, data_offset, size)
+    _check_ranges(infos, data_offset, size, alignment)
     part = _MappedPart(path, mapped)
     tensors = {name: GGUFTensor(name, qtype, shape, path, data_offset + offset, part)
                for name, (qtype, shape, offset, _) in infos.items()}

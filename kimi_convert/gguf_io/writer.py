@@ -34,6 +34,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf.gguf_writer import WriterState
 
 from ..errors import CheckpointError, DiskSpaceError, OutputError
+from ..interrupts import deferred, deliver_postponed
 from . import manifest as mf
 
 COPY_CHUNK = 64 << 20
@@ -78,13 +79,18 @@ def split_paths(out: Path, n_files: int) -> list[Path]:
     return [out.with_name(f"{out.stem}-{i + 1:05d}-of-{n_files:05d}.gguf") for i in range(n_files)]
 
 
-def check_output_paths(finals: list[Path], force: bool) -> None:
-    """The output's folder exists, no output is a folder, and none exists unless `force`."""
-    folder = finals[0].parent
+def check_output_folder(out: Path) -> None:
+    """The output's folder exists and is a folder."""
+    folder = Path(out).parent
     if not folder.exists():
         raise OutputError(f"{folder}: no such folder (create it first)")
     if not folder.is_dir():
         raise OutputError(f"{folder}: not a folder")
+
+
+def check_output_paths(finals: list[Path], force: bool) -> None:
+    """The output's folder exists, no output is a folder, and none exists unless `force`."""
+    check_output_folder(finals[0])
     for p in finals:
         if p.is_dir():
             raise OutputError(f"{p}: is a folder; give the output file's name, e.g. {p / 'model.gguf'}")
@@ -185,14 +191,46 @@ def lock_path(out: Path) -> Path:
 NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL)   # file systems without flock (some FUSE and NFS)
 
 
+_HELD: dict[str, int] = {}      # lock files this process holds (their real paths) -> how many holders
+
+
 @contextlib.contextmanager
 def output_lock(out: Path) -> Iterator[Path]:
-    """Hold `.OUT.lock` (flock) while `out` is written, so that a second run into the same output refuses.
-    The kernel drops a flock when its process ends, however it ends: a lock file left by SIGKILL blocks
-    nothing. The file holds the holder's pid, for the second run's message; it is removed at the end."""
+    """Hold `.OUT.lock` (flock) while `out` is planned and written, so that a second run into the same output
+    refuses before any heavy work. The kernel drops a flock when its process ends, however it ends: a lock file
+    left by SIGKILL blocks nothing. The file holds the holder's pid, for the second run's message; it is removed
+    at the end. Re-entrant in one process: the command takes it first, the writer again."""
     path = lock_path(out)
+    held = os.path.join(os.path.realpath(path.parent), path.name)
+    if held in _HELD:
+        _HELD[held] += 1
+        try:
+            yield path
+        finally:
+            _HELD[held] -= 1
+        return
+    check_output_folder(Path(out))
+    with deferred():                # a signal between creating the file and owning it would leave it behind
+        fd = _lock(Path(out), path)
+        _HELD[held] = 1
+    try:
+        yield path
+    finally:
+        with deferred():
+            del _HELD[held]
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            os.close(fd)
+
+
+def _lock(out: Path, path: Path) -> int:
+    """Create (or open) and flock `path`, write our pid into it; the open fd."""
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:        # a read-only folder, say
+            raise OutputError(f"{out}: cannot write in {path.parent} ({e.strerror or e}); nothing was written") \
+                from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -211,11 +249,11 @@ def output_lock(out: Path) -> Iterator[Path]:
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        yield path
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
+    except BaseException:
+        os.unlink(path)
         os.close(fd)
+        raise
+    return fd
 
 
 def _same_file(path: Path, fd: int) -> bool:
@@ -257,6 +295,7 @@ class GGUFStreamWriter:
         self.split = _split_setting(split_max_size, split_max_tensors)
         self.resume, self.manifest, self.log = resume, manifest, log
         self.journal: Path | None = None
+        self.took_over = False      # the partial folder is an earlier run's, taken over by --resume
 
     def add_kv(self, key: str, value: Any, vtype: GGUFValueType, sub_type: GGUFValueType | None = None):
         self.meta.add_key_value(key, value, vtype, sub_type)
@@ -277,17 +316,33 @@ class GGUFStreamWriter:
         check_output_paths(finals, self.force)
         if mf.manifest_path(self.out).is_dir():
             raise OutputError(f"{mf.manifest_path(self.out)}: is a folder; the manifest of {self.out} goes there")
-        try:
-            with output_lock(self.out):
-                heads = self._headers()
-                kept = self._take_over(finals, heads)
-                entries = self._write_all(files, finals, heads, kept, on_bytes)
-                self._commit(entries, finals)
-        except OSError as e:
-            raise self._write_error(e) from None
-        finally:
+        with contextlib.ExitStack() as settling:      # from the commit, or a failure, on: signals wait (below)
+            try:
+                with output_lock(self.out):
+                    heads = self._headers()
+                    kept = self._take_over(finals, heads)
+                    entries = self._write_all(files, finals, heads, kept, on_bytes)
+                    settling.enter_context(deferred())
+                    self._commit(entries, finals)
+            except BaseException as e:
+                settling.enter_context(deferred())
+                if isinstance(e, KeyboardInterrupt) and self._kept_on_interrupt():
+                    raise
+                shutil.rmtree(self.tmp_dir, ignore_errors=True)
+                if isinstance(e, OSError):
+                    raise self._write_error(e) from None
+                raise
             shutil.rmtree(self.tmp_dir, ignore_errors=True)
         return finals
+
+    def _kept_on_interrupt(self) -> bool:
+        """Interrupted while resuming: the parts taken over from the earlier run (and those finished since)
+        stay in the partial folder, which its journal lists, for the next --resume; True if so."""
+        if not self.took_over:
+            return False
+        self.log(f"--resume: interrupted; kept {self.tmp_dir} with the finished parts its journal lists, "
+                 f"for the next --resume (a run without it removes the folder)")
+        return True
 
     def _write_error(self, e: OSError) -> OutputError:
         reason = os.strerror(e.errno) if e.errno else str(e)
@@ -330,7 +385,9 @@ class GGUFStreamWriter:
         if previous is None:
             self.tmp_dir.mkdir()
         else:
-            os.rename(previous[0], self.tmp_dir)
+            with deferred():                # the folder is ours and we know it, or it is still the earlier run's
+                os.rename(previous[0], self.tmp_dir)
+                self.took_over = True
             kept = self._kept_parts(previous[0], previous[1], finals, heads)
         if self.manifest:
             self.journal = mf.start_journal(self.tmp_dir, plan, [kept[i] for i in sorted(kept)])
@@ -403,6 +460,7 @@ class GGUFStreamWriter:
             fout.write(head)
             with open_sink(fout) as sink:
                 for t in part:
+                    deliver_postponed()         # a signal a finalizer kept (interrupts.postpone) stops us here
                     sink.digest = hashlib.sha256() if self.manifest else None
                     written = 0
                     for chunk in chunks.of(t):

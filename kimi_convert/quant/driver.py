@@ -18,7 +18,7 @@ import numpy as np
 from gguf import GGML_QUANT_VERSION, GGUFValueType, LlamaFileType
 from gguf import GGMLQuantizationType as QT
 
-from ..errors import KimiError
+from ..errors import CheckpointError, KimiError
 from ..gguf_io import (Chunk, GGUFFile, GGUFStreamWriter, GGUFTensor, OutTensor, check_free_disk, check_output_paths,
                        check_split_max_size, disk_bytes, disk_room, iter_chunks_of, open_gguf, stale_partials)
 from ..model import KimiConfig
@@ -60,7 +60,9 @@ def stored_file_type(gf: GGUFFile) -> int:
 
 
 def plan_file(gf: GGUFFile, policy: Policy, *, allow_requantize: bool = False, strict: bool = False) -> QuantPlan:
-    KimiConfig.from_gguf(gf.fields)          # a kimi-k3 / kimi-k31 file, or a clear error
+    KimiConfig.from_gguf(gf.fields, gf.paths[0])     # a kimi-k3 / kimi-k31 file, or a clear error
+    if not gf.tensors:                       # valid GGUF (a vocabulary-only file, say), but nothing to quantize
+        raise CheckpointError(f"{gf.paths[0]}: holds no tensors: a {gf.arch} GGUF with no tensors is not a model")
     return plan_quantization(((t.name, t.shape, t.qtype) for t in gf.tensors.values()), policy,
                              allow_requantize=allow_requantize, strict=strict)
 
