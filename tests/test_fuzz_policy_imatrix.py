@@ -331,21 +331,26 @@ def check_imatrix_error(e: ImatrixError, path) -> None:
     assert str(e).startswith(f"{path}: "), str(e)
 
 
-@settings(max_examples=150, **FUZZ)
-@given(entries=gguf_entries())
-def test_generated_gguf_imatrix_gives_llama_quantize_s_vectors_or_is_refused(tmp_path_factory, entries):
-    path = write_gguf_imatrix(tmp_path_factory.getbasetemp() / "im.gguf", entries)
-    want = expected_gguf_vectors(entries)
+def check_loaded_or_refused(path, want: dict | None, invalid: str) -> None:
+    """The file loads to exactly `want`'s vectors, or, where `want` is None (llama-quantize would refuse
+    it), is refused with one error naming it."""
     try:
         got = loaded_vectors(path)
     except ImatrixError as e:
         assert want is None, f"a valid imatrix was refused: {e}"
         check_imatrix_error(e, path)
         return
-    assert want is not None, "an imatrix with a non-finite value or count was accepted"
+    assert want is not None, f"{invalid} was accepted"
     assert got.keys() == want.keys()
     for name in want:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+@settings(max_examples=150, **FUZZ)
+@given(entries=gguf_entries())
+def test_generated_gguf_imatrix_gives_llama_quantize_s_vectors_or_is_refused(tmp_path_factory, entries):
+    path = write_gguf_imatrix(tmp_path_factory.getbasetemp() / "im.gguf", entries)
+    check_loaded_or_refused(path, expected_gguf_vectors(entries), "an imatrix with a non-finite value or count")
 
 
 @settings(max_examples=250, **FUZZ)
@@ -353,17 +358,7 @@ def test_generated_gguf_imatrix_gives_llama_quantize_s_vectors_or_is_refused(tmp
 def test_generated_dat_imatrix_gives_llama_quantize_s_vectors_or_is_refused(tmp_path_factory, case):
     entries, trailer = case
     path = write_dat(tmp_path_factory.getbasetemp() / "im.dat", entries, trailer)
-    want = expected_dat_vectors(entries, trailer)
-    try:
-        got = loaded_vectors(path)
-    except ImatrixError as e:
-        assert want is None, f"a valid imatrix was refused: {e}"
-        check_imatrix_error(e, path)
-        return
-    assert want is not None, "an invalid .dat was accepted"
-    assert got.keys() == want.keys()
-    for name in want:
-        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    check_loaded_or_refused(path, expected_dat_vectors(entries, trailer), "an invalid .dat")
 
 
 # byte-level damage: flips, integers written over a field, cuts, insertions; biased to the first bytes, where a
