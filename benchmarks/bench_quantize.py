@@ -11,9 +11,8 @@ is its own (its VmHWM):
     disk when it ends (fsync before the rename), so "+ fsync" is llama.cpp's time for the same durable result;
   * ours: `kimi_convert.quant.driver.quantize_file` with `default = "TYPE"`, numba on 2 threads.
 Prints per type both wall times, the ratio ours / llama.cpp (the goal: at most 2.0, then 1.0), the ratio
-against llama.cpp + fsync, our fixed
-startup (a child that only imports numba and loads that type's kernels), both peak RSS and whether every
-tensor's bytes are equal. Numba's compiled kernels are cached on disk (first run compiles).
+against llama.cpp + fsync, our fixed startup (a child that only imports numba and loads that type's kernels),
+both peak RSS and whether every tensor's bytes are equal. Numba's compiled kernels are cached on disk (first run compiles).
 """
 from __future__ import annotations
 
