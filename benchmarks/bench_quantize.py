@@ -55,11 +55,9 @@ from kimi_convert.quant.blocks import load_kernels
 load_kernels([(QT.BF16, QT[sys.argv[1]], False)])
 """
 WARM = """
-import numpy as np
 from gguf import GGMLQuantizationType as QT
-from kimi_convert.quant.blocks import quantize
-for t in sys.argv[1].split(","):
-    quantize(np.ones((2, 256), np.float32), QT[t])
+from kimi_convert.quant.blocks import load_kernels
+load_kernels((QT.BF16, QT[t], False) for t in sys.argv[1].split(","))
 """
 
 

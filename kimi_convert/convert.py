@@ -24,7 +24,7 @@ import numpy as np
 from gguf import GGML_QUANT_VERSION, GGUFWriter, LlamaFileType
 from gguf import GGMLQuantizationType as QT
 
-from . import mxfp4
+from . import mxfp4, native
 from .checkpoint import DTYPE_SIZE, Checkpoint, SourceTensor, f32_to_bf16, to_f32
 from .constants import HF_TEXT_PREFIX, tname
 from .errors import CheckpointError, ConfigError
@@ -50,7 +50,6 @@ BASE_RSS = 56 << 20           # interpreter, numpy, gguf, typer, rich: 54 MiB fo
 INDEX_BYTES_PER_TENSOR = 340  # index and plan, per source tensor: 324 B measured from 144k to 497k
 VOCAB_BYTES_PER_TOKEN = 320   # token strings, merges and types: 300 B resident, 313 B at the peak of loading
 WRITE_BUFFERS = DirectSink.STAGE * DirectSink.BUFFERS   # O_DIRECT staging, all touched on a big output
-REPACK_RSS = 123 << 20        # numba, llvmlite and the MXFP4 repack kernel, loaded by the first repack: 122 MiB
 IN_FLIGHT = Prefetch.DEPTH + 1  # produced chunks alive at once: the queue, plus the one being staged
 REPACK_THREADS = 2            # MXFP4 experts read and repacked at once (_repacked_experts)
 REPACK_AHEAD = 4              # ... and that many ahead of the one the writer takes
@@ -133,9 +132,9 @@ class Plan:
 
     @property
     def repack_rss(self) -> int:
-        """REPACK_RSS if the run repacks MXFP4 experts (and so loads numba), else 0."""
+        """What loading the MXFP4 repack kernel adds (native.load_rss) if the run repacks experts, else 0."""
         repacks = any(t.rule.transform == EXPERTS and len(t.sources[0]) == 2 for t in self.tensors)
-        return REPACK_RSS if repacks else 0
+        return native.load_rss([mxfp4.REPACK_KERNEL]) if repacks else 0
 
     def by_group(self) -> dict[str, tuple[int, int]]:
         out: dict[str, list[int]] = defaultdict(lambda: [0, 0])
@@ -473,8 +472,8 @@ def one_pass_peak_ram(plan: Plan, quant: "OnePass") -> int:
     plus, if it is quantized, a chunk's work."""
     work = max(t.work_bytes + quant.chunk_work(i) for i, t in enumerate(plan.tensors))
     buffers = min(WRITE_BUFFERS, sum(quant.sizes))
-    numba = max(quant.quantizer_rss, plan.repack_rss)       # the same numba: 128 MiB measured with both loaded
-    return plan.planning_ram_estimate + buffers + numba + work
+    kernels = max(quant.quantizer_rss, plan.repack_rss)     # one llvmlite for both: 50 MiB measured
+    return plan.planning_ram_estimate + buffers + kernels + work
 
 
 # ------------------------------------------------------------------------------------
@@ -501,7 +500,7 @@ def convert(plan: Plan, out: Path, *, split_max_tensors: int = 0, split_max_size
                               resume=resume, manifest=manifest, log=log)
     produce = [(lambda t=t: _produce(t, ckpt, cfg)) for t in plan.tensors]
     if plan.repack_rss:
-        _repack_pool().submit(mxfp4.load_kernel)        # numba's import overlaps the tensors before the experts
+        _repack_pool().submit(mxfp4.load_kernel)        # the kernel's load overlaps the tensors before the experts
     if quant is None:
         add_metadata(writer, plan, pre.vocab)
         outs = [OutTensor(t.name, t.qtype, t.shape, p) for t, p in zip(plan.tensors, produce)]

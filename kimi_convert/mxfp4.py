@@ -11,9 +11,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from .native import Kernel
+
 BLOCK = 32
 BLOCK_BYTES = 17
 E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
+
+
+REPACK_KERNEL = Kernel("kimi_convert.mxfp4_kernel", "repack_blocks", "u8_1d", "u8_1d", "u8_1d")
 
 
 def repack(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
@@ -25,22 +30,21 @@ def repack(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
 
 
 def repack_into(packed: np.ndarray, scale: np.ndarray, out: np.ndarray) -> None:
-    """repack, into `out` (uint8 [rows, n/32*17], C-contiguous), by the compiled loop of mxfp4_kernel (numba,
-    loaded on the first call; it releases the GIL, so experts repack on several threads at once)."""
-    from .mxfp4_kernel import repack_blocks     # noqa: PLC0415  (numba only when there is MXFP4 to repack)
+    """repack, into `out` (uint8 [rows, n/32*17], C-contiguous), by the compiled loop of mxfp4_kernel (numba
+    source, loaded natively on the first call; it releases the GIL, so experts repack on several threads)."""
     rows, half = packed.shape
     nb = half * 2 // BLOCK
     if half % (BLOCK // 2) or scale.shape != (rows, nb):
         raise ValueError(f"weight_scale shape {scale.shape} does not fit weight_packed {packed.shape}")
     if out.shape != (rows, nb * BLOCK_BYTES) or out.dtype != np.uint8 or not out.flags.c_contiguous:
         raise ValueError(f"output {out.dtype}{list(out.shape)} is not uint8 [{rows}, {nb * BLOCK_BYTES}], C-contiguous")
-    repack_blocks(np.ascontiguousarray(packed, dtype=np.uint8).reshape(-1),
+    REPACK_KERNEL(np.ascontiguousarray(packed, dtype=np.uint8).reshape(-1),
                   np.ascontiguousarray(scale, dtype=np.uint8).reshape(-1), out.reshape(-1))
 
 
 def load_kernel() -> None:
-    """Import numba and load the compiled repack now (1-3 s, from numba's cache after the first run), e.g. on
-    a thread of its own while other work goes on, instead of at the first repack."""
+    """Load the compiled repack now (~0.1 s from the native cache; a cache miss builds it with numba, 1-3 s),
+    e.g. on a thread of its own while other work goes on, instead of at the first repack."""
     repack(np.zeros((1, BLOCK // 2), np.uint8), np.zeros((1, 1), np.uint8))
 
 

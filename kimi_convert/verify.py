@@ -576,7 +576,7 @@ class _Blocks:
 def compare_quantized(p, t: GGUFTensor, ckpt: Checkpoint, cfg: KimiConfig, imatrix) -> dict[str, Any]:
     """The file's blocks against our quantization (quant.blocks, chunked and imatrix-sliced by the driver's
     quantize_rows) of the values the converter writes, with the imatrix vector kimi-quantize would use."""
-    from .quant.blocks import block_type, quantize, supported_types     # noqa: PLC0415  (numba, on first use)
+    from .quant.blocks import block_type, quantize, supported_types     # noqa: PLC0415  (the kernels, on first use)
     row: dict[str, Any] = {"mode": "quantized"}
     if t.qtype not in supported_types():
         have = ", ".join(q.name for q in supported_types() if q not in FLOAT_TYPES)

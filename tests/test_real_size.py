@@ -477,7 +477,7 @@ def test_work_estimate_at_real_widths(real_widths, outtype, first, measured, map
     tracemalloc, so those are added."""
     plan = build_plan(real_widths, outtype)
     p = next(t for t in plan.tensors if t.name == measured)
-    mxfp4.repack(np.zeros((1, 16), np.uint8), np.zeros((1, 1), np.uint8))   # numba's load is REPACK_RSS, not work
+    mxfp4.repack(np.zeros((1, 16), np.uint8), np.zeros((1, 1), np.uint8))   # the kernel load is repack_rss, not work
     used = _traced_peak(plan, first, measured) + mapped * sum(s.nbytes for s in p.sources[0])
     # within 1 MiB below (interpreter objects around the buffers) and at most 35% above
     assert used - MiB <= p.work_bytes <= 1.35 * used, (measured, used / MiB, p.work_bytes / MiB)

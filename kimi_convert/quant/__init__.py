@@ -1,8 +1,8 @@
 """kimi-quantize's library: per-tensor policy, protections, imatrix, the file driver, and the block quantizers.
 
 The quantizers (``blocks``: ``quantize``, ``dequantize``, ``validate_blocks``, one class per ggml type) write
-exactly the bytes of ggml's ``ggml_quantize_chunk``; they are numba kernels, imported on first use so that
-the policy and planning modules load without numba.
+exactly the bytes of ggml's ``ggml_quantize_chunk``; they are numba kernels (``kernels``), which a process
+links as native code (``kimi_convert.native``) on first use, so the policy and planning modules load light.
 """
 from __future__ import annotations
 

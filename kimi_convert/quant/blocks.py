@@ -18,10 +18,22 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 from gguf import quants as _gguf_quants
 
-from .. import numba_start
-from . import kernels
+from ..native import Kernel
 
-numba_start.start()     # before any kernel loads: numba's registries without its BLAS probe
+KERNELS = "kimi_convert.quant.kernels"      # the numba source of every kernel below (native: how they load)
+
+
+def _rows(name: str, out: str = "u8_2d") -> Kernel:
+    """A kernel ``name(x, out)``: float32 rows [n_rows, n_per_row] -> their bytes (``out``) [n_rows, row bytes]."""
+    return Kernel(KERNELS, name, "f32_2d", out)
+
+
+def _weighted(name: str) -> Kernel:
+    """A kernel ``name(x, qw, out)``: as _rows, with float32 importance weights [n_per_row]."""
+    return Kernel(KERNELS, name, "f32_2d", "f32_1d", "u8_2d")
+
+
+_BF16_TO_F32 = Kernel(KERNELS, "bf16_to_f32_rows", "u16_2d", "u32_2d")
 
 _REGISTRY: dict[QT, type["BlockType"]] = {}
 
@@ -34,8 +46,8 @@ class BlockType:
     mirrors: ClassVar[str]                      # the ggml function behind ggml_quantize_chunk(..., imatrix=NULL)
     mirrors_imatrix: ClassVar[str | None] = None  # ... and with an imatrix; None: the imatrix is not used
     scale_offsets: ClassVar[tuple[int, ...]] = ()  # byte offsets of the fp16 scales ggml_validate_row_data checks
-    _ref: ClassVar[Callable]
-    _impl: ClassVar[Callable | None] = None
+    _ref: ClassVar[Kernel | None] = None
+    _impl: ClassVar[Kernel | None] = None
 
     def __init_subclass__(cls, qtype: QT, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -98,7 +110,7 @@ class F32(BlockType, qtype=QT.F32):
 
 class F16(BlockType, qtype=QT.F16):
     mirrors = "ggml_fp32_to_fp16_row"
-    _ref = staticmethod(kernels.f16_rows)
+    _ref = _rows("f16_rows", "u16_2d")
 
     @classmethod
     def _out_view(cls, out):
@@ -112,7 +124,8 @@ class F16(BlockType, qtype=QT.F16):
 
 class BF16(BlockType, qtype=QT.BF16):
     mirrors = "ggml_fp32_to_bf16_row_ref"
-    _ref = staticmethod(kernels.bf16_rows)
+    _ref = _rows("bf16_rows", "u16_2d")
+    widen = _BF16_TO_F32            # to_float32's kernel (the other types widen in numpy)
 
     @classmethod
     def _out_view(cls, out):
@@ -122,7 +135,7 @@ class BF16(BlockType, qtype=QT.BF16):
     def to_float32(cls, data, buf):
         # gguf-py's BF16 dequantizer makes three temporaries of the whole chunk; BF16 is what most
         # kimi-quantize inputs hold, so widen in place, in the kernel
-        kernels.bf16_to_f32_rows(data.view(np.uint16), buf.view(np.uint32))
+        cls.widen(data.view(np.uint16), buf.view(np.uint32))
         return buf
 
 
@@ -131,47 +144,47 @@ class BF16(BlockType, qtype=QT.BF16):
 class Q8_0(BlockType, qtype=QT.Q8_0):
     mirrors = "quantize_row_q8_0_ref"  # quantize_q8_0 ignores quant_weights
     scale_offsets = (0,)
-    _ref = staticmethod(kernels.q8_0_rows)
+    _ref = _rows("q8_0_rows")
 
 
 class Q4_0(BlockType, qtype=QT.Q4_0):
     mirrors = "quantize_row_q4_0_ref"
     mirrors_imatrix = "quantize_row_q4_0_impl"
     scale_offsets = (0,)
-    _ref = staticmethod(kernels.q4_0_ref_rows)
-    _impl = staticmethod(kernels.q4_0_impl_rows)
+    _ref = _rows("q4_0_ref_rows")
+    _impl = _weighted("q4_0_impl_rows")
 
 
 class Q5_0(BlockType, qtype=QT.Q5_0):
     mirrors = "quantize_row_q5_0_ref"
     mirrors_imatrix = "quantize_row_q5_0_impl"
     scale_offsets = (0,)
-    _ref = staticmethod(kernels.q5_0_ref_rows)
-    _impl = staticmethod(kernels.q5_0_impl_rows)
+    _ref = _rows("q5_0_ref_rows")
+    _impl = _weighted("q5_0_impl_rows")
 
 
 class Q4_1(BlockType, qtype=QT.Q4_1):
     mirrors = "quantize_row_q4_1_ref"
     mirrors_imatrix = "quantize_row_q4_1_impl"
     scale_offsets = (0, 2)  # d, m
-    _ref = staticmethod(kernels.q4_1_ref_rows)
-    _impl = staticmethod(kernels.q4_1_impl_rows)
+    _ref = _rows("q4_1_ref_rows")
+    _impl = _weighted("q4_1_impl_rows")
 
 
 class Q5_1(BlockType, qtype=QT.Q5_1):
     mirrors = "quantize_row_q5_1_ref"
     mirrors_imatrix = "quantize_row_q5_1_impl"
     scale_offsets = (0, 2)  # d, m
-    _ref = staticmethod(kernels.q5_1_ref_rows)
-    _impl = staticmethod(kernels.q5_1_impl_rows)
+    _ref = _rows("q5_1_ref_rows")
+    _impl = _weighted("q5_1_impl_rows")
 
 
 class IQ4_NL(BlockType, qtype=QT.IQ4_NL):
     mirrors = "quantize_row_iq4_nl_impl (32, ntry=7, weights x^2)"
     mirrors_imatrix = "quantize_row_iq4_nl_impl (32, ntry=7)"
     scale_offsets = (0,)
-    _ref = staticmethod(kernels.iq4_nl_rows)
-    _impl = staticmethod(kernels.iq4_nl_impl_rows)
+    _ref = _rows("iq4_nl_rows")
+    _impl = _weighted("iq4_nl_impl_rows")
 
 
 # --- 256-element super-blocks ---
@@ -180,48 +193,48 @@ class Q2_K(BlockType, qtype=QT.Q2_K):
     mirrors = "quantize_row_q2_K_ref"
     mirrors_imatrix = "quantize_row_q2_K_impl"
     scale_offsets = (80, 82)  # d, dmin
-    _ref = staticmethod(kernels.q2_K_ref_rows)
-    _impl = staticmethod(kernels.q2_K_impl_rows)
+    _ref = _rows("q2_K_ref_rows")
+    _impl = _weighted("q2_K_impl_rows")
 
 
 class Q3_K(BlockType, qtype=QT.Q3_K):
     mirrors = "quantize_row_q3_K_ref"
     mirrors_imatrix = "quantize_row_q3_K_impl"
     scale_offsets = (108,)
-    _ref = staticmethod(kernels.q3_K_ref_rows)
-    _impl = staticmethod(kernels.q3_K_impl_rows)
+    _ref = _rows("q3_K_ref_rows")
+    _impl = _weighted("q3_K_impl_rows")
 
 
 class Q4_K(BlockType, qtype=QT.Q4_K):
     mirrors = "quantize_row_q4_K_ref"
     mirrors_imatrix = "quantize_row_q4_K_impl"
     scale_offsets = (0, 2)
-    _ref = staticmethod(kernels.q4_K_ref_rows)
-    _impl = staticmethod(kernels.q4_K_impl_rows)
+    _ref = _rows("q4_K_ref_rows")
+    _impl = _weighted("q4_K_impl_rows")
 
 
 class Q5_K(BlockType, qtype=QT.Q5_K):
     mirrors = "quantize_row_q5_K_ref"
     mirrors_imatrix = "quantize_row_q5_K_impl"
     scale_offsets = (0, 2)
-    _ref = staticmethod(kernels.q5_K_ref_rows)
-    _impl = staticmethod(kernels.q5_K_impl_rows)
+    _ref = _rows("q5_K_ref_rows")
+    _impl = _weighted("q5_K_impl_rows")
 
 
 class Q6_K(BlockType, qtype=QT.Q6_K):
     mirrors = "quantize_row_q6_K_ref"
     mirrors_imatrix = "quantize_row_q6_K_impl"
     scale_offsets = (208,)
-    _ref = staticmethod(kernels.q6_K_ref_rows)
-    _impl = staticmethod(kernels.q6_K_impl_rows)
+    _ref = _rows("q6_K_ref_rows")
+    _impl = _weighted("q6_K_impl_rows")
 
 
 class IQ4_XS(BlockType, qtype=QT.IQ4_XS):
     mirrors = "quantize_row_iq4_nl_impl (256/32, ntry=7, weights x^2)"
     mirrors_imatrix = "quantize_row_iq4_nl_impl (256/32, ntry=7)"
     scale_offsets = (0,)
-    _ref = staticmethod(kernels.iq4_xs_rows)
-    _impl = staticmethod(kernels.iq4_xs_impl_rows)
+    _ref = _rows("iq4_xs_rows")
+    _impl = _weighted("iq4_xs_impl_rows")
 
 
 def block_type(qtype: QT) -> type[BlockType]:
@@ -271,7 +284,8 @@ def row_size(qtype: QT, n_per_row: int) -> int:
     return bt.row_size(n_per_row)
 
 
-CACHE_VALUES = 32 << 10       # values a thread widens at a time: 128 KiB of float32 stays in its L2 cache
+CACHE_VALUES = 256 << 10      # values a thread widens, then quantizes, at a time (1 MiB of float32): at 32K a
+# step, the two kernel calls of each (~8 us together through ctypes) were half of Q4_0's time
 
 
 def quantize(values: np.ndarray, qtype: QT, imatrix: np.ndarray | None = None, *,
@@ -279,8 +293,8 @@ def quantize(values: np.ndarray, qtype: QT, imatrix: np.ndarray | None = None, *
     """[n_rows, n_per_row] rows -> uint8 [n_rows, row_size]: ggml_quantize_chunk's bytes for these rows.
 
     ``values``: float32 values, or rows as stored in a GGUF of type ``source`` (block bytes or values); each
-    is converted to float32 exactly as ggml's to_float does, a few rows at a time on the thread that then
-    quantizes them, so the float32 copy of a chunk never leaves the cache.
+    is converted to float32 exactly as ggml's to_float does, CACHE_VALUES at a time on the thread that then
+    quantizes them, so the float32 copy of a chunk is never made whole.
     ``imatrix``: float32 [n_per_row] importance weights (one per column), or None. As in ggml it selects the
     ``_impl`` quantizer of the types that have one and is ignored by Q8_0 and the float types.
     ``threads``: rows are quantized on this many threads (default: the CPUs available); the bytes do not
@@ -310,15 +324,24 @@ def quantize(values: np.ndarray, qtype: QT, imatrix: np.ndarray | None = None, *
     return out
 
 
+def kernels_for(pairs: Iterable[tuple[QT, QT, bool]]) -> list[Kernel]:
+    """The kernels that (source, target, with imatrix) conversions run: the source's widening (BF16) and the
+    target's quantizer (its _impl with an imatrix, where it has one)."""
+    kernels: dict[int, Kernel] = {}
+    for source, target, weighted in pairs:
+        src, bt = source_type(source), block_type(target)
+        for k in (getattr(src, "widen", None), bt._impl if weighted and bt._impl is not None else bt._ref):
+            if k is not None:
+                kernels[id(k)] = k
+    return list(kernels.values())
+
+
 def load_kernels(pairs: Iterable[tuple[QT, QT, bool]]) -> None:
-    """Load the compiled kernels of these (source, target, with imatrix) conversions now (numba's cache,
-    ~0.5 s the first time in a process), then freeze the objects numba made for it: the cyclic collector
-    would otherwise scan them at every full collection and again at exit, ~0.4 s of CPU per run."""
-    for source, target, weighted in set(pairs):
-        source = source if source in (QT.F16, QT.BF16) else QT.F32     # the others widen in numpy
-        n = 256                                   # a multiple of every block size
-        stored = quantize(np.zeros((1, n), np.float32), source, threads=1)
-        quantize(stored, target, np.ones(n, np.float32) if weighted else None, threads=1, source=source)
+    """Load the kernels of these (source, target, with imatrix) conversions now (native: ~0.05 s, or a build on
+    a cache miss), then freeze the objects made so far: the cyclic collector would otherwise scan them at
+    every full collection and again at exit."""
+    for k in kernels_for(pairs):
+        k.load()
     gc.freeze()
 
 

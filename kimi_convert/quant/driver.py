@@ -106,7 +106,7 @@ def quantize_file(src: Path, out: Path, policy: Policy, *, imatrix=None, allow_r
     for key, value, vtype, sub in metadata(stored_metadata(gf), file_type(policy, stored_file_type(gf)), extra):
         writer.add_kv(key, value, vtype, sub)
     part = {p: i for i, p in enumerate(gf.paths)}
-    from .blocks import default_threads, load_kernels     # noqa: PLC0415  (numba: only when quantizing)
+    from .blocks import default_threads, load_kernels     # noqa: PLC0415  (the kernels: only when quantizing)
     threads = threads or default_threads()
     load_kernels((d.source, d.target, imatrix is not None) for d in plan.decisions if not d.copied)
     tensors = [OutTensor(d.name, d.target, ggml_shape(d.shape),
@@ -220,7 +220,7 @@ def quantize_rows(d: Decision, rows: Callable[[int, int], np.ndarray], imatrix: 
 # estimates for --dry-run (headers only, plus a small sample quantized on this machine)
 
 COPY_BYTES_PER_S = 1e9          # the stated disk speed for copied bytes (docs/performance.md)
-BASE_RSS = 200 << 20            # interpreter, numpy, numba, the GGUF index
+BASE_RSS = 200 << 20            # interpreter, numpy, the loaded kernels, the GGUF index
 
 
 @dataclass

@@ -167,53 +167,55 @@ def abs_max(x, o, n):
     return amax, mx
 
 
+QX_CANDIDATES = 19     # make_qx_quants' scales: -nmax/max, then the 18 steps -(nmax + 0.1*step)/max, step != 0
+QX_TMP = 3 * QX_CANDIDATES
+
+
 @njit(**JIT)
 def make_qx_quants(n, nmax, x, xo, L, lo, w, wo, tmp):
     """make_qx_quants(n, nmax, x, L, rmse_type=1, qw) with explicit weights w[wo:wo+n] (ggml passes x*x
     for qw == NULL, which callers put into w). Writes L[lo:lo+n] in [0, 2*nmax), returns the scale.
 
-    tmp: float32 scratch of >= 3n. The products of each candidate scale are formed in one loop (which LLVM
-    vectorizes) and summed in order in a second: the same float32 operations as ggml's single loop.
-    (w*x)*l is ggml's w*x*l, so w*x is formed once."""
+    tmp: float32 scratch of >= QX_TMP. ggml tries its 19 scales one after another, each a loop of two
+    sequential sums (sum w*x*l, sum w*l*l), which waits on the latency of every add. Here the 19 sums of
+    each kind are formed side by side (element outer, scale inner): each scale's sum still adds the same
+    float32 products in the same order, and the inner loop vectorizes across scales. Then the scales are
+    compared in ggml's order; the levels of the one that wins (the last improvement) are written once.
+    (w*x)*l is ggml's w*x*l, (w*l)*l its w*l*l."""
     amax, mx = abs_max(x, xo, n)
     if amax < GROUP_MAX_EPS:
         for i in range(n):
             L[lo + i] = 0
         return F32(0.0)
+    iscale = tmp[0:QX_CANDIDATES]
+    sumlx = tmp[QX_CANDIDATES:2 * QX_CANDIDATES]
+    suml2 = tmp[2 * QX_CANDIDATES:3 * QX_CANDIDATES]
+    iscale[0] = F32(-nmax) / mx
+    for c in range(1, QX_CANDIDATES):
+        step = c - 10 if c < 10 else c - 9
+        iscale[c] = -(F32(nmax) + F32(0.1) * F32(step)) / mx
+    for c in range(QX_CANDIDATES):
+        sumlx[c] = F32(0.0)
+        suml2[c] = F32(0.0)
     for i in range(n):
-        tmp[i] = w[wo + i] * x[xo + i]
-    iscale = F32(-nmax) / mx
-    sumlx, suml2 = _qx_sums(n, nmax, x, xo, w, wo, tmp, iscale)
+        xi = x[xo + i]
+        wi = w[wo + i]
+        wx = wi * xi
+        for c in range(QX_CANDIDATES):
+            fl = F32(max(-nmax, min(nmax - 1, nearest_int(iscale[c] * xi))))
+            sumlx[c] += wx * fl
+            suml2[c] += wi * fl * fl
+    scale = sumlx[0] / suml2[0] if suml2[0] != 0 else F32(0.0)
+    best = scale * sumlx[0]
+    win = 0
+    for c in range(1, QX_CANDIDATES):
+        if suml2[c] > 0 and sumlx[c] * sumlx[c] > best * suml2[c]:
+            scale = sumlx[c] / suml2[c]
+            best = scale * sumlx[c]
+            win = c
     for i in range(n):
-        L[lo + i] = nmax + max(-nmax, min(nmax - 1, nearest_int(iscale * x[xo + i])))
-    scale = sumlx / suml2 if suml2 != 0 else F32(0.0)
-    best = scale * sumlx
-    for step in range(-9, 10):
-        if step == 0:
-            continue
-        iscale = -(F32(nmax) + F32(0.1) * F32(step)) / mx
-        sumlx, suml2 = _qx_sums(n, nmax, x, xo, w, wo, tmp, iscale)
-        if suml2 > 0 and sumlx * sumlx > best * suml2:
-            for i in range(n):
-                L[lo + i] = nmax + max(-nmax, min(nmax - 1, nearest_int(iscale * x[xo + i])))
-            scale = sumlx / suml2
-            best = scale * sumlx
+        L[lo + i] = nmax + max(-nmax, min(nmax - 1, nearest_int(iscale[win] * x[xo + i])))
     return scale
-
-
-@njit(**INLINE)
-def _qx_sums(n, nmax, x, xo, w, wo, tmp, iscale):
-    """(sum w*x*l, sum w*l*l) for the levels l = clamp(nearest_int(iscale*x)), tmp[0:n] holding w*x."""
-    for i in range(n):
-        fl = F32(max(-nmax, min(nmax - 1, nearest_int(iscale * x[xo + i]))))
-        tmp[n + i] = tmp[i] * fl
-        tmp[2 * n + i] = w[wo + i] * fl * fl
-    sumlx = F32(0.0)
-    suml2 = F32(0.0)
-    for i in range(n):
-        sumlx += tmp[n + i]
-        suml2 += tmp[2 * n + i]
-    return sumlx, suml2
 
 
 @njit(**JIT)
@@ -882,7 +884,7 @@ def q3_K_impl_rows(x, qw, out):
         w = np.empty(16, np.float32)
         sw = np.empty(16, np.float32)
         Ls = np.empty(16, np.int8)
-        tmp = np.empty(48, np.float32)
+        tmp = np.empty(QX_TMP, np.float32)
         for i in range(n // QK_K):
             o = QK_K * i
             p = 110 * i
@@ -1143,7 +1145,7 @@ def q6_K_ref_rows(x, out):
         L = np.empty(QK_K, np.int8)
         w = np.empty(16, np.float32)
         scales = np.empty(16, np.float32)
-        tmp = np.empty(48, np.float32)
+        tmp = np.empty(QX_TMP, np.float32)
         for i in range(x.shape[1] // QK_K):
             _q6_K_block(x[r], QK_K * i, NO_WEIGHTS, out[r], 210 * i, L, w, scales, tmp)
 
@@ -1154,7 +1156,7 @@ def q6_K_impl_rows(x, qw, out):
         L = np.empty(QK_K, np.int8)
         w = np.empty(16, np.float32)
         scales = np.empty(16, np.float32)
-        tmp = np.empty(48, np.float32)
+        tmp = np.empty(QX_TMP, np.float32)
         for i in range(x.shape[1] // QK_K):
             _q6_K_block(x[r], QK_K * i, qw, out[r], 210 * i, L, w, scales, tmp)
 

@@ -27,9 +27,6 @@ from .plan import QuantPlan, plan_quantization
 from .policy import Policy
 
 PIECE = 16 << 20            # a FileRange of the producer is read in pieces of this many bytes
-# RSS the quantizer adds to a conversion (docs/performance.md): numba, llvmlite and the loaded kernels, 123 MiB
-# measured (a one-pass run of a tiny checkpoint against its plain conversion); a chunk's work is in chunk_work
-QUANTIZER_RSS = 125 << 20
 
 
 @dataclass
@@ -53,7 +50,11 @@ class OnePass:
 
     @property
     def quantizer_rss(self) -> int:
-        return QUANTIZER_RSS if any(not d.copied for d in self.plan.decisions) else 0
+        """RSS that loading the kernels adds (native.load_rss); a chunk's work is in chunk_work."""
+        from .. import native
+        from .blocks import kernels_for     # noqa: PLC0415
+        pairs = [(d.source, d.target, self.imatrix is not None) for d in self.plan.decisions if not d.copied]
+        return native.load_rss(kernels_for(pairs)) if pairs else 0
 
     def chunk_work(self, i: int) -> int:
         """RAM that quantizing tensor i adds to its producer's work: a piece of the stream and the stored rows
@@ -74,7 +75,7 @@ class OnePass:
 
     def out_tensors(self, produce: Sequence[Callable[[], Iterable[Chunk]]]) -> list[OutTensor]:
         """The writer's tensors, from the converter's producer of each tensor (in plan order)."""
-        from .blocks import default_threads, load_kernels     # noqa: PLC0415  (numba: only when quantizing)
+        from .blocks import default_threads, load_kernels     # noqa: PLC0415  (the kernels: only when quantizing)
         threads = self.threads or default_threads()
         load_kernels((d.source, d.target, self.imatrix is not None) for d in self.plan.decisions if not d.copied)
         return [OutTensor(d.name, d.target, ggml_shape(d.shape), lambda d=d, p=p: self._chunks(d, p, threads))
