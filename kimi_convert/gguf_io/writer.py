@@ -715,7 +715,9 @@ class DirectSink:
     def _stage(self, data: memoryview, hashed: bool = True) -> None:
         while len(data):
             n = min(self.STAGE - self.fill, len(data))
-            self.buf[self.fill:self.fill + n] = data[:n]
+            # numpy's copy lets go of the GIL (an mmap slice assignment holds it), so the quantizer's
+            # threads, which take it back after every kernel call, do not wait on this copy
+            np.frombuffer(self.buf, np.uint8, n, self.fill)[:] = np.frombuffer(data, np.uint8, n)
             if hashed:
                 self._to_hash(n)
             self.fill += n

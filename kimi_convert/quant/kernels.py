@@ -148,22 +148,24 @@ def as_int8(v):
 @njit(**INLINE)
 def sum_sq(x, o, n):
     """Sequential sum of x[o+i]^2, i < n."""
+    xs = x[o:o + n]
     s = F32(0.0)
     for i in range(n):
-        s += x[o + i] * x[o + i]
+        s += xs[i] * xs[i]
     return s
 
 
 @njit(**INLINE)
 def abs_max(x, o, n):
     """(amax, max): the first element with the strictly largest |x| in x[o:o+n], and its signed value."""
+    xs = x[o:o + n]
     amax = F32(0.0)
     mx = F32(0.0)
     for i in range(n):
-        ax = abs(x[o + i])
+        ax = abs(xs[i])
         if ax > amax:
             amax = ax
-            mx = x[o + i]
+            mx = xs[i]
     return amax, mx
 
 
@@ -197,9 +199,10 @@ def make_qx_quants(n, nmax, x, xo, L, lo, w, wo, tmp):
     for c in range(QX_CANDIDATES):
         sumlx[c] = F32(0.0)
         suml2[c] = F32(0.0)
+    xs, ws, Ls = x[xo:xo + n], w[wo:wo + n], L[lo:lo + n]
     for i in range(n):
-        xi = x[xo + i]
-        wi = w[wo + i]
+        xi = xs[i]
+        wi = ws[i]
         wx = wi * xi
         for c in range(QX_CANDIDATES):
             fl = F32(max(-nmax, min(nmax - 1, nearest_int(iscale[c] * xi))))
@@ -214,7 +217,7 @@ def make_qx_quants(n, nmax, x, xo, L, lo, w, wo, tmp):
             best = scale * sumlx[c]
             win = c
     for i in range(n):
-        L[lo + i] = nmax + max(-nmax, min(nmax - 1, nearest_int(iscale[win] * x[xo + i])))
+        Ls[i] = nmax + max(-nmax, min(nmax - 1, nearest_int(iscale[win] * xs[i])))
     return scale
 
 
@@ -227,13 +230,14 @@ def make_q3_quants(n, nmax, x, xo, L, lo):
         for i in range(n):
             L[lo + i] = 0
         return F32(0.0)
+    xs, Ls = x[xo:xo + n], L[lo:lo + n]      # views: indices from 0 need no negative-index fix-up
     iscale = F32(-nmax) / mx
     sumlx = F32(0.0)
     suml2 = F32(0.0)
     for i in range(n):
-        xi = x[xo + i]
+        xi = xs[i]
         l = max(-nmax, min(nmax - 1, nearest_int(iscale * xi)))
-        L[lo + i] = l
+        Ls[i] = l
         w = xi * xi
         fl = F32(l)
         sumlx += w * xi * fl
@@ -241,26 +245,26 @@ def make_q3_quants(n, nmax, x, xo, L, lo):
     for _ in range(5):
         n_changed = 0
         for i in range(n):
-            xi = x[xo + i]
+            xi = xs[i]
             w = xi * xi
-            li = F32(L[lo + i])
+            li = F32(Ls[i])
             slx = sumlx - w * xi * li
             if slx > 0:
                 sl2 = suml2 - w * li * li
                 new_l = max(-nmax, min(nmax - 1, nearest_int(xi * sl2 / slx)))
-                if new_l != L[lo + i]:
+                if new_l != Ls[i]:
                     fn = F32(new_l)
                     slx += w * xi * fn
                     sl2 += w * fn * fn
                     if sl2 > 0 and slx * slx * suml2 > sumlx * sumlx * sl2:
-                        L[lo + i] = new_l
+                        Ls[i] = new_l
                         sumlx = slx
                         suml2 = sl2
                         n_changed += 1
         if n_changed == 0:
             break
     for i in range(n):
-        L[lo + i] += nmax
+        Ls[i] += nmax
     return sumlx / suml2 if suml2 > 0 else F32(0.0)
 
 
@@ -820,6 +824,7 @@ def _q3_K_finish(xr, o, y, p, L):
         sc = np.int64(y[s0 + j]) & 0xF if j < 8 else np.int64(y[s0 + j - 8]) >> 4
         sc = as_int8((sc | (((np.int64(y[s0 + 8 + j % 4]) >> (2 * (j // 4))) & 3) << 4)) - 32)
         ds[j] = d_all * F32(sc)
+    xs = xr[o:o + QK_K]
     for m in range(32):
         hmask = 0
         low = 0
@@ -828,7 +833,7 @@ def _q3_K_finish(xr, o, y, p, L):
             j = 32 * k + m
             d = ds[j >> 4]
             # a sub-block whose scale is 0 keeps the levels of the search (ggml: `if (!d) continue;`)
-            l = np.int64(L[j]) if d == 0 else max(-4, min(3, nearest_int(xr[o + j] / d))) + 4
+            l = np.int64(L[j]) if d == 0 else max(-4, min(3, nearest_int(xs[j] / d))) + 4
             if l > 3:
                 hmask |= 1 << k
                 l -= 4
