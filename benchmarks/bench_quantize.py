@@ -9,10 +9,10 @@ is its own (its VmHWM):
   * llama.cpp: `llama_model_quantize` from llama-cpp-python 0.3.36 (the code of llama-quantize), --pure, 2 threads,
     then an fsync of its output, timed apart: llama-quantize leaves its output in the page cache, ours is on
     disk when it ends (fsync before the rename), so "+ fsync" is llama.cpp's time for the same durable result;
-  * ours: `kimi_convert.quant.driver.quantize_file` with `default = "TYPE"`, numba on 2 threads.
+  * ours: `kimi_convert.quant.driver.quantize_file` with `default = "TYPE"`, on 2 threads.
 Prints per type both wall times, the ratio ours / llama.cpp (the goal: at most 2.0, then 1.0), the ratio
-against llama.cpp + fsync, our fixed startup (a child that only imports numba and loads that type's kernels),
-both peak RSS and whether every tensor's bytes are equal. Numba's compiled kernels are cached on disk (first run compiles).
+against llama.cpp + fsync, our fixed startup (a child that only imports the quantizer and loads that type's kernels),
+both peak RSS and whether every tensor's bytes are equal. The kernels are built into their native cache first (kimi_convert.native; the first run compiles).
 """
 from __future__ import annotations
 
@@ -107,7 +107,7 @@ def main() -> None:
         convert(build_plan(hf, "bf16"), src)
     print(f"input {src}: {src.stat().st_size / 1e6:.0f} MB; cores {os.cpu_count()}")
     types = args.types.split(",")
-    subprocess.run([sys.executable, "-c", "import sys\n" + WARM, ",".join(types)], check=True)   # numba cache
+    subprocess.run([sys.executable, "-c", "import sys\n" + WARM, ",".join(types)], check=True)   # the native cache
     print(f"{'type':8} {'llama.cpp s':>11} {'+ fsync s':>9} {'ours s':>8} {'ratio':>6} {'ratio+fsync':>11} "
           f"{'startup s':>9} {'llama RSS':>10} "
           f"{'our RSS':>9}  bytes equal")
@@ -115,7 +115,7 @@ def main() -> None:
         theirs, ours = work / f"llama-{name}.gguf", work / f"ours-{name}.gguf"
         t_l, rss_l, t_f = timed(LLAMA, str(src), str(theirs), str(int(FILE_TYPE[QT[name]])))
         t_o, rss_o, _ = timed(OURS, str(src), str(ours), name)
-        t_s, _, _ = timed(STARTUP, name)       # our fixed cost: interpreter, numba, loading the kernels, exit
+        t_s, _, _ = timed(STARTUP, name)       # our fixed cost: interpreter, imports, linking the kernels, exit
         print(f"{name:8} {t_l:11.2f} {t_l + t_f:9.2f} {t_o:8.2f} {t_o / t_l:6.2f} {t_o / (t_l + t_f):11.2f} {t_s:9.2f} {rss_l / 2**20:8.0f}Mi "
               f"{rss_o / 2**20:7.0f}Mi  {same_bytes(ours, theirs)}", flush=True)
         theirs.unlink()
