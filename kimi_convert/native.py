@@ -173,6 +173,10 @@ def _read_entry(path: Path) -> tuple[dict, bytes] | None:
         return None
     if not isinstance(header, dict) or header.get("sha256") != hashlib.sha256(obj).hexdigest():
         return None
+    needs = header.get("needs")
+    if not isinstance(header.get("symbol"), str) or not isinstance(needs, list) \
+            or not all(isinstance(n, str) for n in needs):
+        return None
     return header, obj
 
 

@@ -69,6 +69,11 @@ def test_a_warm_cache_quantizes_without_numba_and_a_corrupt_entry_is_built_again
     assert json.loads(head)["sha256"] == hashlib.sha256(obj).hexdigest()
     assert run(QUANTIZE, tmp_path) == [*expected, "False []"]
 
+    header = json.loads(head)
+    del header["symbol"]                                              # a header that lost a field
+    entries[0].write_bytes(json.dumps(header).encode() + b"\n" + obj)
+    assert run(QUANTIZE, tmp_path) == [*expected, "True []"]
+
 
 KERNEL_SOURCE = """
 from numba import njit
