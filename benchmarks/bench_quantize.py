@@ -55,9 +55,14 @@ from kimi_convert.quant.blocks import load_kernels
 load_kernels([(QT.BF16, QT[sys.argv[1]], False)])
 """
 WARM = """
-from gguf import GGMLQuantizationType as QT
+from kimi_convert.gguf_io import open_gguf
 from kimi_convert.quant.blocks import load_kernels
-load_kernels((QT.BF16, QT[t], False) for t in sys.argv[1].split(","))
+from kimi_convert.quant.driver import plan_file
+from kimi_convert.quant.policy import parse_policy
+gf = open_gguf(sys.argv[2])
+for t in sys.argv[1].split(","):      # every kernel of each plan, its shape fallbacks' too
+    plan = plan_file(gf, parse_policy(f'default = "{t}"\\n', "bench"))
+    load_kernels((d.source, d.target, False) for d in plan.decisions if not d.copied)
 """
 
 
@@ -107,7 +112,7 @@ def main() -> None:
         convert(build_plan(hf, "bf16"), src)
     print(f"input {src}: {src.stat().st_size / 1e6:.0f} MB; cores {os.cpu_count()}")
     types = args.types.split(",")
-    subprocess.run([sys.executable, "-c", "import sys\n" + WARM, ",".join(types)], check=True)   # the native cache
+    subprocess.run([sys.executable, "-c", "import sys\n" + WARM, ",".join(types), str(src)], check=True)   # the native cache
     print(f"{'type':8} {'llama.cpp s':>11} {'+ fsync s':>9} {'ours s':>8} {'ratio':>6} {'ratio+fsync':>11} "
           f"{'startup s':>9} {'llama RSS':>10} "
           f"{'our RSS':>9}  bytes equal")
