@@ -65,6 +65,11 @@ class BlockType:
         return n_per_row // cls.block_size * cls.type_size
 
     @classmethod
+    def kernel(cls, weighted: bool) -> Kernel | None:
+        """The kernel quantize_rows runs: _impl with an imatrix where the type has one, else _ref."""
+        return cls._impl if weighted and cls._impl is not None else cls._ref
+
+    @classmethod
     def quantize_rows(cls, x: np.ndarray, imatrix: np.ndarray | None, out: np.ndarray) -> None:
         """x: float32 [n_rows, n_per_row], C-contiguous, n_per_row a multiple of block_size (checked by the
         caller) -> its bytes into ``out`` [n_rows, row_size], on this thread (the kernels drop the GIL)."""
@@ -329,8 +334,7 @@ def kernels_for(pairs: Iterable[tuple[QT, QT, bool]]) -> list[Kernel]:
     target's quantizer (its _impl with an imatrix, where it has one)."""
     kernels: dict[int, Kernel] = {}
     for source, target, weighted in pairs:
-        src, bt = source_type(source), block_type(target)
-        for k in (getattr(src, "widen", None), bt._impl if weighted and bt._impl is not None else bt._ref):
+        for k in (getattr(source_type(source), "widen", None), block_type(target).kernel(weighted)):
             if k is not None:
                 kernels[id(k)] = k
     return list(kernels.values())
