@@ -202,14 +202,14 @@ def _load(k: Kernel):
             return _link(k, *entry)
         except NativeError:
             pass                    # built again below
-    header, obj = build(k)
     try:
-        _write_entry(path, header, obj)
-    except OSError:
-        pass                        # a read-only cache: this process still links what it built
-    try:
+        header, obj = build(k)
+        try:
+            _write_entry(path, header, obj)
+        except OSError:
+            pass                    # a read-only cache: this process still links what it built
         return _link(k, header, obj)
-    except NativeError as e:
+    except NativeError as e:        # not buildable as an entry, or not linkable
         _fallbacks.append(f"{k.module}.{k.name}: {e}")
         return k.python_function()  # same code, through numba's dispatcher
 
