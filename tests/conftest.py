@@ -1,6 +1,7 @@
 """Shared fixtures: tiny real-format checkpoints, generated at run time, and their conversions."""
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 
@@ -11,6 +12,28 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from kimi_convert.fixtures.make_checkpoint import make_checkpoint  # noqa: E402
+from kimi_convert.interrupts import INTERRUPTS  # noqa: E402
+
+
+# The signal tests send SIGINT, SIGTERM and SIGHUP and expect them to act. A runner may start this process with
+# them ignored (a CI that starts its job as nohup does, or as a background job of a script, which ignores SIGINT)
+# or blocked, and an ignored signal stays ignored across exec: the commands then keep ignoring it, as they should
+# (test_convert_errors: nohup), and the tests would see a command that is never stopped. So the session starts
+# from the dispositions of an interactive shell, for itself and for every command it starts; the header says
+# what it inherited.
+
+def _default_interrupts() -> list[str]:
+    changed = []
+    for sig in INTERRUPTS:
+        if signal.getsignal(sig) == signal.SIG_IGN:
+            changed.append(f"{sig.name} ignored")
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+    blocked = signal.pthread_sigmask(signal.SIG_UNBLOCK, INTERRUPTS) & set(INTERRUPTS)
+    changed += [f"{sig.name} blocked" for sig in sorted(blocked)]
+    return changed
+
+
+_INHERITED = _default_interrupts()
 
 
 # CPU flags, llama.cpp's compiled ISA and numpy's kernels (docs/verification.md §8): printed at the start, also
@@ -21,14 +44,20 @@ def _numeric_paths() -> list[str]:
     return numeric_paths()
 
 
+def _header() -> list[str]:
+    inherited = (f"signals: inherited {', '.join(_INHERITED)}; the tests run with the default actions"
+                 if _INHERITED else "signals: SIGINT, SIGTERM and SIGHUP inherited with their default actions")
+    return _numeric_paths() + [inherited]
+
+
 def pytest_report_header(config):
-    return _numeric_paths()
+    return _header()
 
 
 def pytest_sessionstart(session):
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None and session.config.option.verbose < 0:      # -q hides the header
-        for line in _numeric_paths():
+        for line in _header():
             reporter.write_line(line)
 
 
