@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from pathlib import Path
 
@@ -351,3 +352,24 @@ def test_buffered_and_direct_writes_give_the_same_file(tmp_path, k31_dir, monkey
     assert len(direct) == len(buffered) == 3
     for a, b in zip(direct, buffered):
         assert a.read_bytes() == b.read_bytes()
+
+
+@pytest.mark.parametrize("sink", ["DirectSink", "BufferedSink"])
+def test_the_output_is_flushed_as_it_is_written(tmp_path, k31_dir, monkeypatch, sink):
+    """Both sinks flush in the background every `every` bytes (_Writeback), so the closing fsync has little
+    left: with 1 MiB staging buffers and flushes, the file is synced several times before it is complete,
+    each time with more of it written, and it still equals a file written without early flushes."""
+    from kimi_convert import gguf_io
+    from kimi_convert.convert import build_plan, convert
+    plain = convert(build_plan(k31_dir, "f32"), tmp_path / "plain.gguf").paths[0]
+    cls = getattr(gguf_io.writer, sink)
+    monkeypatch.setattr(gguf_io.writer, "open_sink", cls)
+    monkeypatch.setattr(cls, "STAGE" if sink == "DirectSink" else "WRITEBACK", 1 << 20)
+    flushed: list[int] = []
+    real = os.fdatasync
+    monkeypatch.setattr(os, "fdatasync", lambda fd: (flushed.append(os.fstat(fd).st_size), real(fd))[1])
+    out = convert(build_plan(k31_dir, "f32"), tmp_path / "flushed.gguf").paths[0]
+    size = out.stat().st_size
+    assert size > 4 << 20 and len(flushed) >= 2, (size, flushed)
+    assert flushed == sorted(flushed) and flushed[0] < size, flushed
+    assert out.read_bytes() == plain.read_bytes()
