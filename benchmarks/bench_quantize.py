@@ -54,6 +54,7 @@ from gguf import GGMLQuantizationType as QT
 from kimi_convert.quant.blocks import load_kernels
 load_kernels([(QT.BF16, QT[sys.argv[1]], False)])
 """
+LLAMA_IMPORTS = "\nfrom kimi_convert.interop import llama_quantize\n"
 WARM = """
 from kimi_convert.gguf_io import open_gguf
 from kimi_convert.quant.blocks import load_kernels
@@ -66,6 +67,11 @@ for t in sys.argv[1].split(","):      # every kernel of each plan, its shape fal
 """
 
 
+# The children may write bytecode (a pip install compiles it; PYTHONDONTWRITEBYTECODE, set in some shells
+# and CI images, would make every child compile each module it imports that has no .pyc yet): the warm-up
+# run writes it, the timed runs read it. Both sides get the same environment.
+CHILD_ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+
 PEAK = "\nimport sys\nsys.stderr.write(next(l for l in open('/proc/self/status') if l.startswith('VmHWM')))\n"
 
 
@@ -75,7 +81,7 @@ def timed(code: str, *args: str) -> tuple[float, int, float]:
     own VmHWM: wait4's ru_maxrss would also count the pages of this parent that the child had until exec."""
     start = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-c", code + PEAK, *args], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
+                            stderr=subprocess.PIPE, env=CHILD_ENV)
     err = proc.stderr.read().decode()
     status = proc.wait()
     seconds = time.perf_counter() - start
@@ -112,7 +118,8 @@ def main() -> None:
         convert(build_plan(hf, "bf16"), src)
     print(f"input {src}: {src.stat().st_size / 1e6:.0f} MB; cores {os.cpu_count()}")
     types = args.types.split(",")
-    subprocess.run([sys.executable, "-c", "import sys\n" + WARM, ",".join(types), str(src)], check=True)   # the native cache
+    subprocess.run([sys.executable, "-c", "import sys\n" + WARM + LLAMA_IMPORTS, ",".join(types), str(src)],
+                   check=True, env=CHILD_ENV)       # the native cache, and the bytecode of both sides' modules
     print(f"{'type':8} {'llama.cpp s':>11} {'+ fsync s':>9} {'ours s':>8} {'ratio':>6} {'ratio+fsync':>11} "
           f"{'startup s':>9} {'llama RSS':>10} "
           f"{'our RSS':>9}  bytes equal")

@@ -80,6 +80,26 @@ def bits_f32(typingctx, u):
     return types.float32(u), codegen
 
 
+@intrinsic
+def level_f32(typingctx, f, lo, hi):
+    """float32(MAX(lo, MIN(hi, nearest_int(f)))) in 32-bit integer operations: the same value as
+    nearest_int and the clamp, in a form LLVM vectorizes (numba would widen the integers to 64 bits, and
+    AVX2 has no 64-bit integer to float conversion)."""
+    if f != types.float32 or not isinstance(lo, types.Integer) or not isinstance(hi, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+        bits = builder.bitcast(builder.fadd(args[0], ir.Constant(ir.FloatType(), 12582912.0)), i32)
+        i = builder.sub(builder.and_(bits, ir.Constant(i32, 0x007FFFFF)), ir.Constant(i32, 0x00400000))
+        lo32, hi32 = (builder.trunc(a, i32) if a.type.width > 32 else a for a in args[1:])
+        i = builder.select(builder.icmp_signed(">", i, hi32), hi32, i)
+        i = builder.select(builder.icmp_signed("<", i, lo32), lo32, i)
+        return builder.sitofp(i, ir.FloatType())
+
+    return types.float32(types.float32, lo, hi), codegen
+
+
 @njit(**INLINE)
 def nearest_int(f):
     """ggml's nearest_int: round half to even through the 1.5*2^23 trick (also for |f| > 2^22, where it wraps)."""
@@ -221,51 +241,84 @@ def make_qx_quants(n, nmax, x, xo, L, lo, w, wo, tmp):
     return scale
 
 
+Q3_LANES = 32          # sub-blocks of 16 values searched side by side: those of two Q3_K super-blocks
+_XT, _LT = 0, 16 * Q3_LANES                    # make_q3_quants_lanes' scratch: values, levels (element-major)
+_SX, _S2, _LIVE, _CHANGED, _AMAX, _MAX, _ISCALE, _NONZERO = (32 * Q3_LANES + Q3_LANES * q for q in range(8))
+Q3_SCRATCH = 40 * Q3_LANES
+
+
 @njit(**JIT)
-def make_q3_quants(n, nmax, x, xo, L, lo):
-    """make_q3_quants(n, nmax, x, L, do_rmse=true): weights x*x, up to 5 rounds of coordinate descent.
-    L is int8 (ggml's int8_t L[]); writes L[lo:lo+n] in [0, 2*nmax) (all 0 for a zero group)."""
-    amax, mx = abs_max(x, xo, n)
-    if amax < GROUP_MAX_EPS:
-        for i in range(n):
-            L[lo + i] = 0
-        return F32(0.0)
-    xs, Ls = x[xo:xo + n], L[lo:lo + n]      # views: indices from 0 need no negative-index fix-up
-    iscale = F32(-nmax) / mx
-    sumlx = F32(0.0)
-    suml2 = F32(0.0)
-    for i in range(n):
-        xi = xs[i]
-        l = max(-nmax, min(nmax - 1, nearest_int(iscale * xi)))
-        Ls[i] = l
-        w = xi * xi
-        fl = F32(l)
-        sumlx += w * xi * fl
-        suml2 += w * fl * fl
-    for _ in range(5):
-        n_changed = 0
-        for i in range(n):
-            xi = xs[i]
+def make_q3_quants_lanes(x, xo, L, scales, sc):
+    """make_q3_quants(16, 4, x, L, do_rmse=true) for each of the Q3_LANES sub-blocks x[xo + 16j: +16]
+    (two super-blocks): weights x*x, up to 5 rounds of coordinate descent. Writes L[16j:16j+16] in [0, 8)
+    (all 0 for an all-zero sub-block) and sub-block j's scale to scales[j]. sc: float32 [Q3_SCRATCH].
+
+    ggml searches one sub-block after another, and each step waits on the one before (a division, then the
+    sums it may update). The searches are independent, so here they run as lanes (element outer, sub-block
+    inner), which vectorizes: each lane does the float32 operations of ggml's search in ggml's order, and
+    takes a step only where ggml's would (its branches are the `take` mask). A lane that changed nothing in
+    a round stops, as ggml's loop breaks (another round could change nothing either). Every value lives in
+    the one scratch array `sc` at fixed offsets, so LLVM can see that the lanes do not overlap; levels are
+    kept as float32 (exact: -4..3)."""
+    xs = x[xo:xo + 16 * Q3_LANES]
+    for j in range(Q3_LANES):
+        sc[_AMAX + j] = F32(0.0)
+        sc[_MAX + j] = F32(0.0)
+        sc[_SX + j] = F32(0.0)
+        sc[_S2 + j] = F32(0.0)
+    for i in range(16):
+        for j in range(Q3_LANES):
+            v = xs[16 * j + i]
+            sc[_XT + Q3_LANES * i + j] = v
+            bigger = abs(v) > sc[_AMAX + j]       # the first strictly largest |x|, as abs_max
+            sc[_AMAX + j] = abs(v) if bigger else sc[_AMAX + j]
+            sc[_MAX + j] = v if bigger else sc[_MAX + j]
+    for j in range(Q3_LANES):
+        nonzero = sc[_AMAX + j] >= GROUP_MAX_EPS  # else ggml's "all zero" case
+        sc[_NONZERO + j] = F32(1.0) if nonzero else F32(0.0)
+        sc[_LIVE + j] = sc[_NONZERO + j]
+        sc[_ISCALE + j] = F32(-4.0) / sc[_MAX + j] if nonzero else F32(0.0)
+    for i in range(16):
+        for j in range(Q3_LANES):
+            xi = sc[_XT + Q3_LANES * i + j]
+            fl = level_f32(sc[_ISCALE + j] * xi, -4, 3)
+            sc[_LT + Q3_LANES * i + j] = fl
             w = xi * xi
-            li = F32(Ls[i])
-            slx = sumlx - w * xi * li
-            if slx > 0:
+            sc[_SX + j] += w * xi * fl
+            sc[_S2 + j] += w * fl * fl
+    for _ in range(5):
+        for j in range(Q3_LANES):
+            sc[_CHANGED + j] = F32(0.0)
+        for i in range(16):
+            for j in range(Q3_LANES):
+                xi = sc[_XT + Q3_LANES * i + j]
+                w = xi * xi
+                li = sc[_LT + Q3_LANES * i + j]
+                sumlx = sc[_SX + j]
+                suml2 = sc[_S2 + j]
+                slx = sumlx - w * xi * li
                 sl2 = suml2 - w * li * li
-                new_l = max(-nmax, min(nmax - 1, nearest_int(xi * sl2 / slx)))
-                if new_l != Ls[i]:
-                    fn = F32(new_l)
-                    slx += w * xi * fn
-                    sl2 += w * fn * fn
-                    if sl2 > 0 and slx * slx * suml2 > sumlx * sumlx * sl2:
-                        Ls[i] = new_l
-                        sumlx = slx
-                        suml2 = sl2
-                        n_changed += 1
-        if n_changed == 0:
+                new_l = level_f32(xi * sl2 / slx, -4, 3)
+                slx_new = slx + w * xi * new_l
+                sl2_new = sl2 + w * new_l * new_l
+                take = (sc[_LIVE + j] != 0) & (slx > 0) & (new_l != li) & (sl2_new > 0) & \
+                    (slx_new * slx_new * suml2 > sumlx * sumlx * sl2_new)
+                sc[_LT + Q3_LANES * i + j] = new_l if take else li
+                sc[_SX + j] = slx_new if take else sumlx
+                sc[_S2 + j] = sl2_new if take else suml2
+                sc[_CHANGED + j] += F32(1.0) if take else F32(0.0)
+        live = False
+        for j in range(Q3_LANES):
+            sc[_LIVE + j] = sc[_LIVE + j] if sc[_CHANGED + j] != 0 else F32(0.0)
+            live = live or sc[_LIVE + j] != 0
+        if not live:
             break
-    for i in range(n):
-        Ls[i] += nmax
-    return sumlx / suml2 if suml2 > 0 else F32(0.0)
+    for j in range(Q3_LANES):
+        zero = sc[_NONZERO + j] == 0
+        for i in range(16):
+            L[16 * j + i] = 0 if zero else np.int64(sc[_LT + Q3_LANES * i + j]) + 4
+        suml2 = sc[_S2 + j]
+        scales[j] = F32(0.0) if zero else (sc[_SX + j] / suml2 if suml2 > 0 else F32(0.0))
 
 
 @njit(**JIT)
@@ -848,34 +901,52 @@ def _q3_K_finish(xr, o, y, p, L):
 
 @njit(**JIT)
 def q3_K_ref_rows(x, out):
+    """quantize_row_q3_K_ref: the sub-block searches of two super-blocks at a time (make_q3_quants_lanes;
+    a row's odd last super-block is searched beside 256 zeros, whose lanes are all-zero sub-blocks)."""
     n_rows, n = x.shape
+    per_search = 16 * Q3_LANES // QK_K
+    L = np.empty(16 * Q3_LANES, np.int8)
+    scales = np.empty(Q3_LANES, np.float32)
+    sc = np.empty(Q3_SCRATCH, np.float32)
+    padded = np.zeros(16 * Q3_LANES, np.float32)
     for r in range(n_rows):
         xr = x[r]
         y = out[r]
-        L = np.empty(QK_K, np.int8)
-        scales = np.empty(16, np.float32)
-        for i in range(n // QK_K):
-            o = QK_K * i
-            p = 110 * i
-            max_scale = F32(0.0)
-            amax = F32(0.0)
-            for j in range(16):
-                s = make_q3_quants(16, 4, xr, o + 16 * j, L, 16 * j)
-                scales[j] = s
-                if abs(s) > amax:
-                    amax = abs(s)
-                    max_scale = s
-            for k in range(12):
-                y[p + 96 + k] = 0
-            if max_scale != 0:
-                iscale = F32(-32.0) / max_scale
-                for j in range(16):
-                    l = max(-32, min(31, as_int8(nearest_int(iscale * scales[j])))) + 32
-                    _q3_K_put_scale(y, p + 96, j, l)
-                put_fp16(y, p + 108, F32(1.0) / iscale)
+        nb = n // QK_K
+        for i0 in range(0, nb, per_search):
+            if i0 + per_search <= nb:
+                make_q3_quants_lanes(xr, QK_K * i0, L, scales, sc)
             else:
-                put_fp16(y, p + 108, F32(0.0))
-            _q3_K_finish(xr, o, y, p, L)
+                for k in range(QK_K * (nb - i0)):
+                    padded[k] = xr[QK_K * i0 + k]
+                make_q3_quants_lanes(padded, 0, L, scales, sc)
+            for h in range(min(per_search, nb - i0)):
+                _q3_K_block(xr, QK_K * (i0 + h), y, 110 * (i0 + h), L[QK_K * h:QK_K * (h + 1)],
+                            scales[16 * h:16 * (h + 1)])
+
+
+@njit(**JIT)
+def _q3_K_block(xr, o, y, p, L, scales):
+    """The rest of quantize_row_q3_K_ref for one super-block, once its 16 sub-blocks are searched: the
+    6-bit scales, the fp16 d, the requantization and the packing."""
+    max_scale = F32(0.0)
+    amax = F32(0.0)
+    for j in range(16):
+        s = scales[j]
+        if abs(s) > amax:
+            amax = abs(s)
+            max_scale = s
+    for k in range(12):
+        y[p + 96 + k] = 0
+    if max_scale != 0:
+        iscale = F32(-32.0) / max_scale
+        for j in range(16):
+            l = max(-32, min(31, as_int8(nearest_int(iscale * scales[j])))) + 32
+            _q3_K_put_scale(y, p + 96, j, l)
+        put_fp16(y, p + 108, F32(1.0) / iscale)
+    else:
+        put_fp16(y, p + 108, F32(0.0))
+    _q3_K_finish(xr, o, y, p, L)
 
 
 @njit(**JIT)
