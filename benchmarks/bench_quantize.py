@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """kimi-quantize against llama-quantize's own code (not a test): wall time, peak RSS and byte equality, per type.
 
-    python benchmarks/bench_quantize.py [--types Q8_0,Q4_K,...] [--experts 32] [--layers 3] [--keep DIR]
+    python benchmarks/bench_quantize.py [--types Q8_0,Q4_K,...] [--experts 32] [--layers 3] [--keep DIR] [--repeat 3]
 
 Makes one kimi-k3 GGUF with wide rows and BF16 experts (latent and expert width 1024, hidden 2048; about
 0.4 GB per MoE layer at 32 experts), then for each type runs, each in a fresh child process so that its peak RSS
@@ -10,7 +10,8 @@ is its own (its VmHWM):
     then an fsync of its output, timed apart: llama-quantize leaves its output in the page cache, ours is on
     disk when it ends (fsync before the rename), so "+ fsync" is llama.cpp's time for the same durable result;
   * ours: `kimi_convert.quant.driver.quantize_file` with `default = "TYPE"`, on 2 threads.
-Prints per type both wall times, the ratio ours / llama.cpp (the goal: at most 2.0, then 1.0), the ratio
+Each type runs --repeat times (llama.cpp, then ours, back to back); the medians are printed, with the range of the
+ratio: single runs on a shared 2-core VM swing by 0.2 and more. Prints per type both wall times, the ratio ours / llama.cpp (the goal: at most 2.0, then 1.0), the ratio
 against llama.cpp + fsync, our fixed startup (a child that only imports the quantizer and loads that type's kernels),
 both peak RSS and whether every tensor's bytes are equal. The kernels are built into their native cache first (kimi_convert.native; the first run compiles).
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -104,6 +106,7 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--layers", type=int, default=3, help="layers (the first is dense)")
     ap.add_argument("--keep", type=Path, help="work in this folder and keep it")
+    ap.add_argument("--repeat", type=int, default=3, help="runs of each side per type (medians are printed)")
     args = ap.parse_args()
     from gguf import GGMLQuantizationType as QT
     from kimi_convert.quant.driver import FILE_TYPE
@@ -120,18 +123,26 @@ def main() -> None:
     types = args.types.split(",")
     subprocess.run([sys.executable, "-c", "import sys\n" + WARM + LLAMA_IMPORTS, ",".join(types), str(src)],
                    check=True, env=CHILD_ENV)       # the native cache, and the bytecode of both sides' modules
-    print(f"{'type':8} {'llama.cpp s':>11} {'+ fsync s':>9} {'ours s':>8} {'ratio':>6} {'ratio+fsync':>11} "
+    print(f"medians of {args.repeat} runs of each side per type, llama.cpp and ours back to back")
+    print(f"{'type':8} {'llama.cpp s':>11} {'+ fsync s':>9} {'ours s':>8} {'ratio':>6} {'(range)':>9} {'ratio+fsync':>11} "
           f"{'startup s':>9} {'llama RSS':>10} "
           f"{'our RSS':>9}  bytes equal")
     for name in types:
         theirs, ours = work / f"llama-{name}.gguf", work / f"ours-{name}.gguf"
-        t_l, rss_l, t_f = timed(LLAMA, str(src), str(theirs), str(int(FILE_TYPE[QT[name]])))
-        t_o, rss_o, _ = timed(OURS, str(src), str(ours), name)
-        t_s, _, _ = timed(STARTUP, name)       # our fixed cost: interpreter, imports, linking the kernels, exit
-        print(f"{name:8} {t_l:11.2f} {t_l + t_f:9.2f} {t_o:8.2f} {t_o / t_l:6.2f} {t_o / (t_l + t_f):11.2f} {t_s:9.2f} {rss_l / 2**20:8.0f}Mi "
-              f"{rss_o / 2**20:7.0f}Mi  {same_bytes(ours, theirs)}", flush=True)
-        theirs.unlink()
-        ours.unlink()
+        runs = []
+        for _ in range(args.repeat):            # llama.cpp, then ours, back to back: the pairs share the load
+            t_l, rss_l, t_f = timed(LLAMA, str(src), str(theirs), str(int(FILE_TYPE[QT[name]])))
+            t_o, rss_o, _ = timed(OURS, str(src), str(ours), name)
+            t_s, _, _ = timed(STARTUP, name)   # our fixed cost: interpreter, imports, linking the kernels, exit
+            equal = same_bytes(ours, theirs)
+            theirs.unlink()
+            ours.unlink()
+            runs.append((t_l, t_l + t_f, t_o, t_o / t_l, t_o / (t_l + t_f), t_s, rss_l, rss_o, equal))
+        t_l, t_lf, t_o, ratio, ratio_f, t_s = (statistics.median(r[k] for r in runs) for k in range(6))
+        spread = f"{min(r[3] for r in runs):.2f}-{max(r[3] for r in runs):.2f}" if len(runs) > 1 else ""
+        print(f"{name:8} {t_l:11.2f} {t_lf:9.2f} {t_o:8.2f} {ratio:6.2f} {spread:>9} {ratio_f:11.2f} {t_s:9.2f} "
+              f"{max(r[6] for r in runs) / 2**20:8.0f}Mi {max(r[7] for r in runs) / 2**20:7.0f}Mi  "
+              f"{all(r[8] for r in runs)}", flush=True)
 
 
 if __name__ == "__main__":
