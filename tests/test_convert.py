@@ -373,3 +373,27 @@ def test_the_output_is_flushed_as_it_is_written(tmp_path, k31_dir, monkeypatch, 
     assert size > 4 << 20 and len(flushed) >= 2, (size, flushed)
     assert flushed == sorted(flushed) and flushed[0] < size, flushed
     assert out.read_bytes() == plain.read_bytes()
+
+
+@pytest.mark.parametrize("sink", ["DirectSink", "BufferedSink"])
+def test_a_failed_background_flush_fails_the_write(tmp_path, k31_dir, monkeypatch, sink):
+    """Linux reports a write-back error to a descriptor once: if an early flush took it, the closing fsync
+    could succeed on a file the disk did not keep. The early flush's error must end the write instead,
+    with nothing renamed into place."""
+    import errno
+    from kimi_convert import gguf_io
+    from kimi_convert.convert import build_plan, convert
+    cls = getattr(gguf_io.writer, sink)
+    monkeypatch.setattr(gguf_io.writer, "open_sink", cls)
+    monkeypatch.setattr(cls, "STAGE" if sink == "DirectSink" else "WRITEBACK", 1 << 20)
+    calls = []
+
+    def failing(fd):
+        calls.append(fd)
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+    monkeypatch.setattr(os, "fdatasync", failing)
+    out = tmp_path / "out.gguf"
+    with pytest.raises(Exception) as e:
+        convert(build_plan(k31_dir, "f32"), out)
+    assert calls and "Input/output error" in str(e.value), e.value
+    assert not out.exists() and list(tmp_path.iterdir()) == [], list(tmp_path.iterdir())

@@ -814,11 +814,12 @@ class DirectSink:
         self.to_hash.put(None)              # the hasher passes the end on to the I/O thread
         self.hasher.join()
         self.io.join()
-        self.writeback.wait()
+        self.writeback.join()               # before the descriptor is closed, whatever happens
         try:
             if exc[0] is None:
                 if self.error is not None:
                     raise self.error
+                self.writeback.wait()
                 os.ftruncate(self.fd, end)
                 os.fsync(self.fd)
         finally:
@@ -853,6 +854,7 @@ class _Writeback:
     def __init__(self, fd: int, every: int, flush: Callable[[], None] = lambda: None):
         self.fd, self.every, self.flush = fd, every, flush
         self.pending, self.syncer = 0, None
+        self.error: OSError | None = None
 
     def wrote(self, n: int) -> None:
         self.pending += n
@@ -862,25 +864,35 @@ class _Writeback:
             self.syncer.start()
             self.pending = 0
 
-    @staticmethod
-    def _sync(fd: int) -> None:
+    def _sync(self, fd: int) -> None:
         try:
             os.fdatasync(fd)
-        except OSError:         # only an early flush: the closing fsync reports the disk's error
-            pass
+        except OSError as e:
+            # kept for the close: Linux reports a write-back error to a descriptor once, so the closing
+            # fsync could succeed after this one failed, and the file would be renamed into place short
+            self.error = self.error or e
 
-    def wait(self) -> None:
+    def join(self) -> None:
+        """Wait for the flush under way (before its descriptor is closed)."""
         if self.syncer is not None:
             self.syncer.join()
+
+    def wait(self) -> None:
+        """join(), then raise the error of any flush that failed."""
+        self.join()
+        if self.error is not None:
+            raise self.error
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
+        if exc[0] is not None:
+            self.join()
+            return
         self.wait()
-        if exc[0] is None:
-            self.flush()
-            os.fsync(self.fd)
+        self.flush()
+        os.fsync(self.fd)
 
 
 def _pad(fout, align: int) -> None:
