@@ -26,7 +26,6 @@ import functools
 import hashlib
 import importlib
 import importlib.machinery
-import importlib.metadata
 import importlib.util
 import json
 import os
@@ -147,12 +146,20 @@ def _source_digest(module: str) -> bytes:
 def _environment_digest() -> bytes:
     ll = _llvm()
     h = hashlib.sha256()
-    for part in (Path(__file__).read_bytes(), importlib.metadata.version("numba").encode(),
-                 importlib.metadata.version("llvmlite").encode(), sys.version.encode(), platform.machine().encode(),
+    for part in (Path(__file__).read_bytes(), _version_file("numba"), _version_file("llvmlite"),
+                 sys.version.encode(), platform.machine().encode(),
                  ll.get_host_cpu_name().encode(), _host_features().encode(),
                  repr([(v, os.environ.get(v)) for v in _NUMBA_ENV]).encode()):
         h.update(hashlib.sha256(part).digest())
     return h.digest()
+
+
+def _version_file(package: str) -> bytes:
+    """The version record a package (numba, llvmlite: versioneer's ``_version.py``, its version and
+    revision) ships, found without importing it. importlib.metadata would cost every start 14 ms here,
+    and its import (email, socket, calendar) about as much again."""
+    root = Path(importlib.util.find_spec(package).submodule_search_locations[0])
+    return (root / "_version.py").read_bytes()
 
 
 def cache_path(k: Kernel) -> Path:

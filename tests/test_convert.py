@@ -344,7 +344,8 @@ def test_buffered_and_direct_writes_give_the_same_file(tmp_path, k31_dir, monkey
     from kimi_convert.convert import build_plan, convert
     sinks = []
     real_open_sink = gguf_io.writer.open_sink
-    monkeypatch.setattr(gguf_io.writer, "open_sink", lambda fout: sinks.append(real_open_sink(fout)) or sinks[-1])
+    monkeypatch.setattr(gguf_io.writer, "open_sink",
+                        lambda fout, nbytes=None: sinks.append(real_open_sink(fout, nbytes)) or sinks[-1])
     direct = convert(build_plan(k31_dir, "f32"), tmp_path / "direct.gguf", split_max_tensors=100).paths
     assert {type(s).__name__ for s in sinks} == {"DirectSink"}
     monkeypatch.setattr(gguf_io.writer, "open_sink", gguf_io.BufferedSink)
@@ -352,6 +353,26 @@ def test_buffered_and_direct_writes_give_the_same_file(tmp_path, k31_dir, monkey
     assert len(direct) == len(buffered) == 3
     for a, b in zip(direct, buffered):
         assert a.read_bytes() == b.read_bytes()
+
+
+def test_staging_buffers_are_sized_to_the_write(tmp_path, k31_dir, monkeypatch):
+    """The O_DIRECT sink's three buffers are about 1/16 of what a file holds (a power of two, 1-32 MiB): memory
+    touched for the first time is what costs here, and a small file does not need 96 MiB of it. The file
+    itself does not change (test_buffered_and_direct_writes_give_the_same_file)."""
+    from kimi_convert import gguf_io
+    from kimi_convert.convert import build_plan, convert
+    sink = gguf_io.writer.DirectSink
+    assert sink.stage_size(None) == sink.stage_size(16 * sink.STAGE) == sink.stage_size(10**12) == 32 << 20
+    assert sink.stage_size(143_000_000) == 8 << 20 and sink.stage_size(16 * sink.STAGE - 1) == 16 << 20
+    assert sink.stage_size(0) == sink.stage_size(5 << 20) == 1 << 20
+    sinks = []
+    real_open_sink = gguf_io.writer.open_sink
+    monkeypatch.setattr(gguf_io.writer, "open_sink",
+                        lambda fout, nbytes=None: sinks.append((real_open_sink(fout, nbytes), nbytes)) or sinks[-1][0])
+    out = convert(build_plan(k31_dir, "f32"), tmp_path / "k31.gguf").paths[0]
+    (made, nbytes), = sinks
+    data = out.stat().st_size - gguf_io.open_gguf(out).parts[0].data_offset
+    assert nbytes == data and made.stage == sink.stage_size(data), (nbytes, data, made.stage)
 
 
 @pytest.mark.parametrize("sink", ["DirectSink", "BufferedSink"])

@@ -252,8 +252,8 @@ def slow_writes(seconds_per_chunk: float) -> str:
 import time
 from kimi_convert import gguf_io
 _open_sink = gguf_io.writer.open_sink
-def slow_sink(fout):
-    sink = _open_sink(fout)
+def slow_sink(fout, nbytes=None):
+    sink = _open_sink(fout, nbytes)
     put = sink.put
     sink.put = lambda chunk, sources: (time.sleep({seconds_per_chunk}), put(chunk, sources))[1]
     return sink

@@ -73,8 +73,8 @@ def pause_writes(after: int, hold: Path, reached: Path) -> str:
 import os, time
 from kimi_convert import gguf_io
 _open_sink, _done = gguf_io.writer.open_sink, [0, False]
-def paused_sink(fout):
-    sink = _open_sink(fout)
+def paused_sink(fout, nbytes=None):
+    sink = _open_sink(fout, nbytes)
     put = sink.put
     def paused_put(chunk, sources):
         if _done[0] >= {after} and not _done[1]:

@@ -365,12 +365,19 @@ def _stored_rows(values: np.ndarray, src: "type[BlockType] | StoredType") -> np.
 
 
 def _on_threads(run: Callable[[int, int], None], n_rows: int, threads: int) -> None:
-    """run(a, b) over ``threads`` contiguous row ranges at once (the kernels drop the GIL)."""
-    bounds = np.linspace(0, n_rows, max(1, min(threads, n_rows)) + 1).astype(int)
-    if len(bounds) == 2:
-        run(0, n_rows)
-    else:
-        list(_pool(len(bounds) - 1).map(run, bounds[:-1].tolist(), bounds[1:].tolist()))
+    """run(a, b) over ``threads`` contiguous row ranges at once (the kernels drop the GIL): the first on this
+    thread, the others on the pool. (Waking a thread costs tens of microseconds on a VM, and a chunk of
+    1M values takes 1-2 ms a core: this thread would otherwise only wait.)"""
+    bounds = np.linspace(0, n_rows, max(1, min(threads, n_rows)) + 1).astype(int).tolist()
+    others = [_pool(len(bounds) - 2).submit(run, a, b) for a, b in zip(bounds[1:-1], bounds[2:])] \
+        if len(bounds) > 2 else []
+    try:
+        run(bounds[0], bounds[1])
+    finally:
+        errors = [f.exception() for f in others]      # every range is done before this returns
+    for e in errors:
+        if e is not None:
+            raise e
 
 
 def dequantize(data: np.ndarray, qtype: QT, *, threads: int | None = None) -> np.ndarray:
@@ -412,8 +419,11 @@ def validate_blocks(data: np.ndarray, qtype: QT) -> None:
         _raise_first(bt.qtype, (h & 0x7C00) == 0x7C00, (h & 0x03FF) != 0)
     else:
         blocks = raw.reshape(-1, bt.type_size)
-        # an fp16 is Inf or NaN when its exponent bits (0x7C of its high, second byte) are all set:
-        # [n_blocks, n_scales], in the order ggml checks them (d before dmin); one byte read per scale
+        # an fp16 is Inf or NaN when its exponent bits (0x7C of its high, second byte) are all set; one byte
+        # read per scale, and the [n_blocks, n_scales] table (in the order ggml checks them: d before dmin)
+        # made only when one is
+        if not any(((blocks[:, o + 1] & 0x7C) == 0x7C).any() for o in bt.scale_offsets):
+            return
         special = np.stack([(blocks[:, o + 1] & 0x7C) == 0x7C for o in bt.scale_offsets], axis=1)
         if special.any():
             block, k = divmod(int(np.argmax(special.reshape(-1))), len(bt.scale_offsets))

@@ -168,26 +168,30 @@ def chunks(d: Decision, t: GGUFTensor, imatrix: np.ndarray | None, threads: int)
         if buf.size < (b - a) * t.row_nbytes:
             buf = np.empty((b - a) * t.row_nbytes, np.uint8)
         return t.read_rows(a, b, buf)
-    yield from tensor_chunks(d, lambda: iter_chunks_of(t), rows, imatrix, threads, source=t.qtype)
+    yield from tensor_chunks(d, lambda: iter_chunks_of(t), rows, imatrix, threads, source=t.qtype, across=True)
 
 
 def tensor_chunks(d: Decision, stored: Callable[[], Iterable[Chunk]], rows: Callable[[int, int], np.ndarray],
-                  imatrix: np.ndarray | None, threads: int, source: QT = QT.F32) -> Iterator[Chunk]:
+                  imatrix: np.ndarray | None, threads: int, source: QT = QT.F32,
+                  across: bool = False) -> Iterator[Chunk]:
     """The output bytes of one tensor (both commands): its stored chunks as they are when it is copied, else
     the rows `rows(a, b)` gives (of type `source`) quantized chunk by chunk (quantize_rows)."""
     if d.copied:
         yield from stored()
         return
-    for _, _, q in quantize_rows(d, rows, imatrix, threads, source):
+    for _, _, q in quantize_rows(d, rows, imatrix, threads, source, across):
         yield q
 
 
-def row_chunks(shape: tuple[int, ...]) -> Iterator[tuple[int, int, int]]:
+def row_chunks(shape: tuple[int, ...], across: bool = False) -> Iterator[tuple[int, int, int]]:
     """(matrix, first row, end row) over the rows of a tensor of numpy `shape` (rows counted across its
-    matrices): whole rows, at most CHUNK_VALUES values, never across a matrix (an expert), as llama-quantize."""
+    matrices): whole rows, at most CHUNK_VALUES values, never across a matrix (an expert), as llama-quantize;
+    `across`: across matrices too, as if the tensor were one (its matrix is then 0)."""
     n_per_row = shape[-1]
-    rows_per_mat = shape[-2] if len(shape) > 1 else 1
     n_mats = int(np.prod(shape[:-2], dtype=np.int64)) if len(shape) > 2 else 1
+    rows_per_mat = shape[-2] if len(shape) > 1 else 1
+    if across:
+        n_mats, rows_per_mat = 1, n_mats * rows_per_mat
     step = max(1, CHUNK_VALUES // n_per_row)
     for e in range(n_mats):
         for a in range(e * rows_per_mat, (e + 1) * rows_per_mat, step):
@@ -195,15 +199,19 @@ def row_chunks(shape: tuple[int, ...]) -> Iterator[tuple[int, int, int]]:
 
 
 def quantize_rows(d: Decision, rows: Callable[[int, int], np.ndarray], imatrix: np.ndarray | None,
-                  threads: int | None = None, source: QT = QT.F32) -> Iterator[tuple[int, int, np.ndarray]]:
+                  threads: int | None = None, source: QT = QT.F32,
+                  across: bool = False) -> Iterator[tuple[int, int, np.ndarray]]:
     """(first row, end row, bytes) of tensor `d` quantized to d.target from the rows `rows(a, b)` gives
     (float32 values, or rows as a GGUF of type `source` stores them, which the quantizer widens to float32
     as llama-quantize's to_float does), chunk by chunk (row_chunks), each matrix with its slice of the
     imatrix vector, and validated as llama-quantize's ggml_validate_row_data check does. kimi-verify
-    recomputes a file's blocks through this."""
+    recomputes a file's blocks through this. `across`: where no imatrix slice is needed and `rows` can
+    read across matrices (a file can), chunks may hold rows of several: a stacked BF16 expert tensor of 1M
+    values a matrix then goes in 4M-value chunks, a quarter of the kernel calls and thread wake-ups.
+    The bytes are the same: every row is quantized alone."""
     from .blocks import InvalidBlockError, quantize, validate_blocks     # noqa: PLC0415
     n_per_row = d.shape[-1]
-    for e, a, b in row_chunks(d.shape):
+    for e, a, b in row_chunks(d.shape, across and imatrix is None):
         weights = None if imatrix is None else imatrix[e * n_per_row:(e + 1) * n_per_row]
         x = rows(a, b)
         x = np.asarray(x, dtype=np.float32).reshape(b - a, n_per_row) if source == QT.F32 else x.reshape(b - a, -1)
