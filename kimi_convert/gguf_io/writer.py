@@ -711,7 +711,7 @@ class DirectSink:
         flushed after the last byte is made, take less time the smaller they are."""
         if nbytes is None or nbytes >= 16 * cls.STAGE:
             return cls.STAGE
-        return max(cls.MIN_STAGE, 1 << max(0, (nbytes // 16).bit_length() - 1))
+        return min(cls.STAGE, max(cls.MIN_STAGE, 1 << max(0, (nbytes // 16).bit_length() - 1)))
 
     @property
     def position(self) -> int:
