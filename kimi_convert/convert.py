@@ -49,7 +49,7 @@ FLOAT_DTYPES = ("BF16", "F16", "F32")
 BASE_RSS = 56 << 20           # interpreter, numpy, gguf, typer, rich: 54 MiB for a tiny checkpoint
 INDEX_BYTES_PER_TENSOR = 340  # index and plan, per source tensor: 324 B measured from 144k to 497k
 VOCAB_BYTES_PER_TOKEN = 320   # token strings, merges and types: 300 B resident, 313 B at the peak of loading
-WRITE_BUFFERS = DirectSink.STAGE * DirectSink.BUFFERS   # O_DIRECT staging, all touched on a big output
+WRITE_BUFFERS = DirectSink.STAGE * DirectSink.BUFFERS   # O_DIRECT staging of a big output (staging_bytes)
 IN_FLIGHT = Prefetch.DEPTH + 1  # produced chunks alive at once: the queue, plus the one being staged
 REPACK_THREADS = 2            # MXFP4 experts read and repacked at once (_repacked_experts)
 REPACK_AHEAD = 4              # ... and that many ahead of the one the writer takes
@@ -127,7 +127,7 @@ class Plan:
     def peak_ram_estimate(self) -> int:
         """Peak RSS of the run: the planning figure, the write buffers, the repack kernel and the largest
         tensor's work."""
-        buffers = min(WRITE_BUFFERS, self.total_bytes)      # staging pages are touched as they fill
+        buffers = DirectSink.staging_bytes(self.total_bytes)      # staging pages are touched as they fill
         return self.planning_ram_estimate + buffers + self.repack_rss + max(t.work_bytes for t in self.tensors)
 
     @property
@@ -471,7 +471,7 @@ def one_pass_peak_ram(plan: Plan, quant: "OnePass") -> int:
     """Plan.peak_ram_estimate for the quantized output: the quantizer itself, and each tensor's producer work
     plus, if it is quantized, a chunk's work."""
     work = max(t.work_bytes + quant.chunk_work(i) for i, t in enumerate(plan.tensors))
-    buffers = min(WRITE_BUFFERS, sum(quant.sizes))
+    buffers = DirectSink.staging_bytes(sum(quant.sizes))
     kernels = max(quant.quantizer_rss, plan.repack_rss)     # one llvmlite for both: 50 MiB measured
     return plan.planning_ram_estimate + buffers + kernels + work
 

@@ -713,6 +713,11 @@ class DirectSink:
             return cls.STAGE
         return min(cls.STAGE, max(cls.MIN_STAGE, 1 << max(0, (nbytes // 16).bit_length() - 1)))
 
+    @classmethod
+    def staging_bytes(cls, nbytes: int) -> int:
+        """The staging memory a write of nbytes touches: its buffers, as far as the data fills them."""
+        return min(nbytes, cls.BUFFERS * cls.stage_size(nbytes))
+
     @property
     def position(self) -> int:
         return self.file_off + self.fill
