@@ -704,12 +704,12 @@ class DirectSink:
 
     @classmethod
     def stage_size(cls, nbytes: int | None) -> int:
-        """STAGE, or for a write of nbytes under 16 of them, a power of two (at least MIN_STAGE) of about
-        nbytes / 16. Memory a process touches for the first time is the dear part here: a fresh 32 MB
-        buffer took 37-62 ms to fill once and 5-7 ms each time after (the 2-core VM), so three of them cost
-        a 0.14 GB quantized file 0.15-0.2 s of the writer's core; and the last buffers, written and
-        flushed after the last byte is made, take less time the smaller they are."""
-        if nbytes is None or nbytes >= 16 * cls.STAGE:
+        """The power of two at or under nbytes / 16, from MIN_STAGE to STAGE (STAGE if nbytes is unknown).
+        Memory a process touches for the first time is the dear part here: a fresh 32 MB buffer took
+        37-62 ms to fill once and 5-7 ms each time after (the 2-core VM), so three of them cost a 0.14 GB
+        quantized file 0.15-0.2 s of the writer's core; and the last buffers, written and flushed after the
+        last byte is made, take less time the smaller they are."""
+        if nbytes is None:
             return cls.STAGE
         return min(cls.STAGE, max(cls.MIN_STAGE, 1 << max(0, (nbytes // 16).bit_length() - 1)))
 
