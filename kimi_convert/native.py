@@ -30,6 +30,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import sys
 import tempfile
 import threading
@@ -139,7 +140,15 @@ def cache_key(k: Kernel) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _source_digest(module: str) -> bytes:
-    return hashlib.sha256(Path(importlib.util.find_spec(module).origin).read_bytes()).digest()
+    """The kernel's module and the modules of its own package it imports (``from .common import ...``): numba
+    inlines their functions into the entry's code."""
+    path = Path(importlib.util.find_spec(module).origin)
+    text = path.read_bytes()
+    siblings = sorted(set(re.findall(rb"^from \.(\w+) import", text, re.MULTILINE)))
+    h = hashlib.sha256(text)
+    for name in siblings:
+        h.update(hashlib.sha256((path.parent / f"{name.decode()}.py").read_bytes()).digest())
+    return h.digest()
 
 
 @functools.lru_cache(maxsize=None)

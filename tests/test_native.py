@@ -54,7 +54,7 @@ def test_a_warm_cache_quantizes_without_numba_and_a_corrupt_entry_is_built_again
     monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
     assert native.load_rss([q8_0]) == native.BUILD_RSS
     assert run(QUANTIZE, tmp_path) == [*expected, "True []"]         # a cold cache: numba builds the entries
-    entries = sorted(tmp_path.glob("kernels.*.native"))
+    entries = sorted(tmp_path.glob("*.native"))
     assert [p.name.split(".")[1] for p in entries] == ["q4_K_impl_rows", "q8_0_rows"]
     assert native.load_rss([q8_0]) == native.NATIVE_RSS
     assert native.load_rss([q8_0, q2_K]) == native.BUILD_RSS           # Q2_K was never built here
@@ -108,7 +108,7 @@ def test_the_cache_key_follows_the_kernel_source(tmp_path):
 
 
 def test_an_entry_that_needs_a_missing_symbol_is_refused_not_linked():
-    kernel = native.Kernel(blocks.KERNELS, "q8_0_rows", "f32_2d", "u8_2d")
+    kernel = native.Kernel(f"{blocks.KERNELS}.legacy", "q8_0_rows", "f32_2d", "u8_2d")
     with pytest.raises(native.NativeError, match="kimi_no_such_symbol"):
         native._link(kernel, {"symbol": "entry", "needs": ["kimi_no_such_symbol"]}, b"")
 
@@ -120,11 +120,11 @@ def test_a_kernel_that_cannot_be_linked_runs_as_numbas_dispatcher(monkeypatch, t
         raise native.NativeError("refused by the test")
     monkeypatch.setattr(native, "_link", refuse)
     monkeypatch.setattr(native, "_fallbacks", [])
-    kernel = native.Kernel(blocks.KERNELS, "q8_0_rows", "f32_2d", "u8_2d")
+    kernel = native.Kernel(f"{blocks.KERNELS}.legacy", "q8_0_rows", "f32_2d", "u8_2d")
     x = np.random.default_rng(5).standard_normal((4, 256)).astype(np.float32)
     out = np.empty((4, 272), np.uint8)
     kernel(x, out)
-    assert native._fallbacks == ["kimi_convert.quant.kernels.q8_0_rows: refused by the test"]
+    assert native._fallbacks == ["kimi_convert.quant.kernels.legacy.q8_0_rows: refused by the test"]
     assert out.tobytes() == np.asarray(ggml_quantize(x, QT.Q8_0)).tobytes()
 
 

@@ -20,20 +20,21 @@ from gguf import quants as _gguf_quants
 
 from ..native import Kernel
 
-KERNELS = "kimi_convert.quant.kernels"      # the numba source of every kernel below (native: how they load)
+KERNELS = "kimi_convert.quant.kernels"      # the numba source of the kernels below, a module per family
 
 
-def _rows(name: str, out: str = "u8_2d") -> Kernel:
-    """A kernel ``name(x, out)``: float32 rows [n_rows, n_per_row] -> their bytes (``out``) [n_rows, row bytes]."""
-    return Kernel(KERNELS, name, "f32_2d", out)
+def _rows(family: str, name: str, out: str = "u8_2d") -> Kernel:
+    """A kernel ``name(x, out)`` of ``kernels.<family>``: float32 rows [n_rows, n_per_row] -> their bytes
+    (``out``) [n_rows, row bytes]."""
+    return Kernel(f"{KERNELS}.{family}", name, "f32_2d", out)
 
 
-def _weighted(name: str) -> Kernel:
+def _weighted(family: str, name: str) -> Kernel:
     """A kernel ``name(x, qw, out)``: as _rows, with float32 importance weights [n_per_row]."""
-    return Kernel(KERNELS, name, "f32_2d", "f32_1d", "u8_2d")
+    return Kernel(f"{KERNELS}.{family}", name, "f32_2d", "f32_1d", "u8_2d")
 
 
-_BF16_TO_F32 = Kernel(KERNELS, "bf16_to_f32_rows", "u16_2d", "u32_2d")
+_BF16_TO_F32 = Kernel(f"{KERNELS}.legacy", "bf16_to_f32_rows", "u16_2d", "u32_2d")
 
 _REGISTRY: dict[QT, type["BlockType"]] = {}
 
@@ -115,7 +116,7 @@ class F32(BlockType, qtype=QT.F32):
 
 class F16(BlockType, qtype=QT.F16):
     mirrors = "ggml_fp32_to_fp16_row"
-    _ref = _rows("f16_rows", "u16_2d")
+    _ref = _rows("legacy", "f16_rows", "u16_2d")
 
     @classmethod
     def _out_view(cls, out):
@@ -129,7 +130,7 @@ class F16(BlockType, qtype=QT.F16):
 
 class BF16(BlockType, qtype=QT.BF16):
     mirrors = "ggml_fp32_to_bf16_row_ref"
-    _ref = _rows("bf16_rows", "u16_2d")
+    _ref = _rows("legacy", "bf16_rows", "u16_2d")
     widen = _BF16_TO_F32            # to_float32's kernel (the other types widen in numpy)
 
     @classmethod
@@ -149,47 +150,47 @@ class BF16(BlockType, qtype=QT.BF16):
 class Q8_0(BlockType, qtype=QT.Q8_0):
     mirrors = "quantize_row_q8_0_ref"  # quantize_q8_0 ignores quant_weights
     scale_offsets = (0,)
-    _ref = _rows("q8_0_rows")
+    _ref = _rows("legacy", "q8_0_rows")
 
 
 class Q4_0(BlockType, qtype=QT.Q4_0):
     mirrors = "quantize_row_q4_0_ref"
     mirrors_imatrix = "quantize_row_q4_0_impl"
     scale_offsets = (0,)
-    _ref = _rows("q4_0_ref_rows")
-    _impl = _weighted("q4_0_impl_rows")
+    _ref = _rows("legacy", "q4_0_ref_rows")
+    _impl = _weighted("legacy", "q4_0_impl_rows")
 
 
 class Q5_0(BlockType, qtype=QT.Q5_0):
     mirrors = "quantize_row_q5_0_ref"
     mirrors_imatrix = "quantize_row_q5_0_impl"
     scale_offsets = (0,)
-    _ref = _rows("q5_0_ref_rows")
-    _impl = _weighted("q5_0_impl_rows")
+    _ref = _rows("legacy", "q5_0_ref_rows")
+    _impl = _weighted("legacy", "q5_0_impl_rows")
 
 
 class Q4_1(BlockType, qtype=QT.Q4_1):
     mirrors = "quantize_row_q4_1_ref"
     mirrors_imatrix = "quantize_row_q4_1_impl"
     scale_offsets = (0, 2)  # d, m
-    _ref = _rows("q4_1_ref_rows")
-    _impl = _weighted("q4_1_impl_rows")
+    _ref = _rows("legacy", "q4_1_ref_rows")
+    _impl = _weighted("legacy", "q4_1_impl_rows")
 
 
 class Q5_1(BlockType, qtype=QT.Q5_1):
     mirrors = "quantize_row_q5_1_ref"
     mirrors_imatrix = "quantize_row_q5_1_impl"
     scale_offsets = (0, 2)  # d, m
-    _ref = _rows("q5_1_ref_rows")
-    _impl = _weighted("q5_1_impl_rows")
+    _ref = _rows("legacy", "q5_1_ref_rows")
+    _impl = _weighted("legacy", "q5_1_impl_rows")
 
 
 class IQ4_NL(BlockType, qtype=QT.IQ4_NL):
     mirrors = "quantize_row_iq4_nl_impl (32, ntry=7, weights x^2)"
     mirrors_imatrix = "quantize_row_iq4_nl_impl (32, ntry=7)"
     scale_offsets = (0,)
-    _ref = _rows("iq4_nl_rows")
-    _impl = _weighted("iq4_nl_impl_rows")
+    _ref = _rows("iq4", "iq4_nl_rows")
+    _impl = _weighted("iq4", "iq4_nl_impl_rows")
 
 
 # --- 256-element super-blocks ---
@@ -198,48 +199,48 @@ class Q2_K(BlockType, qtype=QT.Q2_K):
     mirrors = "quantize_row_q2_K_ref"
     mirrors_imatrix = "quantize_row_q2_K_impl"
     scale_offsets = (80, 82)  # d, dmin
-    _ref = _rows("q2_K_ref_rows")
-    _impl = _weighted("q2_K_impl_rows")
+    _ref = _rows("kquants", "q2_K_ref_rows")
+    _impl = _weighted("kquants", "q2_K_impl_rows")
 
 
 class Q3_K(BlockType, qtype=QT.Q3_K):
     mirrors = "quantize_row_q3_K_ref"
     mirrors_imatrix = "quantize_row_q3_K_impl"
     scale_offsets = (108,)
-    _ref = _rows("q3_K_ref_rows")
-    _impl = _weighted("q3_K_impl_rows")
+    _ref = _rows("kquants", "q3_K_ref_rows")
+    _impl = _weighted("kquants", "q3_K_impl_rows")
 
 
 class Q4_K(BlockType, qtype=QT.Q4_K):
     mirrors = "quantize_row_q4_K_ref"
     mirrors_imatrix = "quantize_row_q4_K_impl"
     scale_offsets = (0, 2)
-    _ref = _rows("q4_K_ref_rows")
-    _impl = _weighted("q4_K_impl_rows")
+    _ref = _rows("kquants", "q4_K_ref_rows")
+    _impl = _weighted("kquants", "q4_K_impl_rows")
 
 
 class Q5_K(BlockType, qtype=QT.Q5_K):
     mirrors = "quantize_row_q5_K_ref"
     mirrors_imatrix = "quantize_row_q5_K_impl"
     scale_offsets = (0, 2)
-    _ref = _rows("q5_K_ref_rows")
-    _impl = _weighted("q5_K_impl_rows")
+    _ref = _rows("kquants", "q5_K_ref_rows")
+    _impl = _weighted("kquants", "q5_K_impl_rows")
 
 
 class Q6_K(BlockType, qtype=QT.Q6_K):
     mirrors = "quantize_row_q6_K_ref"
     mirrors_imatrix = "quantize_row_q6_K_impl"
     scale_offsets = (208,)
-    _ref = _rows("q6_K_ref_rows")
-    _impl = _weighted("q6_K_impl_rows")
+    _ref = _rows("kquants", "q6_K_ref_rows")
+    _impl = _weighted("kquants", "q6_K_impl_rows")
 
 
 class IQ4_XS(BlockType, qtype=QT.IQ4_XS):
     mirrors = "quantize_row_iq4_nl_impl (256/32, ntry=7, weights x^2)"
     mirrors_imatrix = "quantize_row_iq4_nl_impl (256/32, ntry=7)"
     scale_offsets = (0,)
-    _ref = _rows("iq4_xs_rows")
-    _impl = _weighted("iq4_xs_impl_rows")
+    _ref = _rows("iq4", "iq4_xs_rows")
+    _impl = _weighted("iq4", "iq4_xs_impl_rows")
 
 
 def block_type(qtype: QT) -> type[BlockType]:
