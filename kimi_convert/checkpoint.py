@@ -18,6 +18,7 @@ import numpy as np
 
 from .errors import CheckpointError, KimiError
 from .gcutil import gc_paused
+from .paths import Input
 from .safetensors_header import DTYPE_BITS, read_header
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -93,6 +94,22 @@ def read_input(path: Path, limit: int, error: type[KimiError] = CheckpointError,
         return data.decode("utf-8")     # the bytes are let go on return, before the text is parsed
     except UnicodeDecodeError as e:
         raise error(f"{path}: not UTF-8 (byte {e.start})") from None
+
+
+def checkpoint_inputs(hf_dir: Path) -> list[Input]:
+    """Every file of the checkpoint `hf_dir` a command reads: config.json, the index, the tokenizer's files
+    (vocab.py) and every *.safetensors file there (the index's shards, and any other: no output may replace one
+    either), for paths.refuse_overlap. Files that are not there are left to the check that reads them."""
+    from .vocab import CHAT_TEMPLATE_FILE, TIKTOKEN_FILE, TOKENIZER_CONFIG_FILE
+    hf_dir = Path(hf_dir)
+    named = [("config.json", "checkpoint's config"), (INDEX_NAME, "checkpoint's index"),
+             (TIKTOKEN_FILE, "checkpoint's tokenizer"), (TOKENIZER_CONFIG_FILE, "checkpoint's tokenizer config"),
+             (CHAT_TEMPLATE_FILE, "checkpoint's chat template")]
+    try:
+        shards = sorted(p for p in hf_dir.iterdir() if p.name.endswith(".safetensors"))
+    except OSError:
+        shards = []
+    return [*(Input(hf_dir / name, what) for name, what in named), *(Input(p, "checkpoint shard") for p in shards)]
 
 
 def _file_kind(mode: int) -> str:

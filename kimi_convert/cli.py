@@ -6,7 +6,6 @@ import glob
 import os
 import re
 import signal
-import stat
 import sys
 import time
 import traceback
@@ -157,42 +156,12 @@ def interrupts_raise():
             signal.signal(s, handler)
 
 
-def check_report_path(path: Path) -> None:
-    """The report can be written to `path`: a file (new or not) in an existing, writable folder."""
-    folder = path.parent
-    if path.is_dir():
-        raise KimiError(f"{path}: is a folder; --json takes a file name")
-    if not folder.is_dir():
-        raise KimiError(f"{path}: cannot write the report: the folder {folder} does not exist")
-    if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise KimiError(f"{path}: cannot write the report: permission denied")
-
-
 def check_input_file(path: Path) -> None:
     """`path` is a regular file (or a symlink to one) that this process can read; else one error naming it.
     For a command's own file arguments, so that a FIFO, a device or an unreadable file is refused up front."""
     from .checkpoint import open_input
     with open_input(Path(path), KimiError):
         pass
-
-
-def write_report(path: Path, text: str) -> None:
-    """Write a --json report. It is opened without blocking, so that a FIFO no process reads is an error, not
-    a hang; one that a process reads (`--json >(jq .)`) is written to as usual."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
-    except OSError as e:
-        why = "no process reads this FIFO" if e.errno == errno.ENXIO else e.strerror or str(e)
-        raise KimiError(f"{path}: cannot write the report ({why})") from None
-    try:
-        if stat.S_ISFIFO(os.fstat(fd).st_mode):
-            os.set_blocking(fd, True)        # a reader may be slower than us: wait for it, do not fail
-        with open(fd, "w", encoding="utf-8", closefd=False) as f:
-            f.write(text)
-    except OSError as e:
-        raise KimiError(f"{path}: cannot write the report ({e.strerror or e})") from None
-    finally:
-        os.close(fd)
 
 
 def human(n: float) -> str:
@@ -274,8 +243,9 @@ def convert(
       3      not enough free disk (tensor bytes + 64 MiB), before writing or while writing
       128+N  ended by signal N (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP); nothing written
     """
-    from .convert import build_plan, convert as run, plan_policy
-    from .gguf_io import check_split_max_size, output_lock
+    from .convert import build_plan, convert as run, plan_policy, run_inputs
+    from .gguf_io import check_split_max_size, output_lock, written_paths
+    from .paths import refuse_overlap
     started, result, one = time.time(), None, None
     try:
         with interrupts_raise(), ExitStack() as held:
@@ -286,6 +256,7 @@ def convert(
             check_count(split_max_tensors, "--split-max-tensors", 0)
             quant_options = _policy_options(policy, tensor_type, tensor_type_file, imatrix, allow_requantize,
                                             strict, dry_run)      # policy and imatrix errors come first
+            refuse_overlap(run_inputs(hf_dir, *(quant_options or ())), written_paths(out))
             if not dry_run:             # a second run into OUT refuses before reading 96 shard headers
                 held.enter_context(output_lock(out))
             reading(hf_dir)

@@ -25,14 +25,15 @@ from gguf import GGML_QUANT_VERSION, GGUFWriter, LlamaFileType
 from gguf import GGMLQuantizationType as QT
 
 from . import mxfp4, native
-from .checkpoint import DTYPE_SIZE, Checkpoint, SourceTensor, f32_to_bf16, to_f32
+from .checkpoint import DTYPE_SIZE, Checkpoint, SourceTensor, checkpoint_inputs, f32_to_bf16, to_f32
 from .constants import HF_TEXT_PREFIX, tname
 from .errors import CheckpointError, ConfigError
 from .gcutil import gc_paused
 from .gguf_io import (COPY_CHUNK, DirectSink, DiskRoom, FileRange, GGUFStreamWriter, OutTensor, Prefetch,
                       SourceFiles, check_free_disk, check_output_paths, check_split_max_size, disk_bytes, disk_room,
-                      split_paths, stale_partials, tensor_nbytes)
+                      split_paths, stale_partials, tensor_nbytes, written_paths)
 from .model import KimiConfig
+from .paths import Input, refuse_overlap
 from .shard_io import read_tensors
 from .tensor_map import (A_LOG, CONV1D, COPY, EXPERTS, GLOBAL_RULES, K_B, LAYER_KINDS, LAYER_RULES,
                          RES_SCORE, V_B, Rule, expert_sources, gguf_shape, sanitize, stored_type)
@@ -449,10 +450,21 @@ def preflight(plan: Plan, out: Path, *, split_max_tensors: int = 0, split_max_si
         check_split_max_size(split_max_size)
     sizes = [t.nbytes for t in plan.tensors] if quant is None else quant.sizes
     finals = split_paths(out, count_files(sizes, split_max_tensors, split_max_size))
+    refuse_overlap(_run_inputs(plan, quant), written_paths(out, finals))
     check_output_paths(finals, force)
     vocab = load_vocab(plan.hf_dir, _text_config(plan.hf_dir))
     stale = stale_partials(out)
     return Preflight(finals, vocab, stale, disk_room(sum(sizes), out, sum(disk_bytes(p) for p in stale)))
+
+
+def run_inputs(hf_dir: Path, policy: "Policy | None" = None, imatrix=None) -> list[Input]:
+    """Every file a conversion reads: the checkpoint's, and with --policy the policy's files and the imatrix."""
+    return [*checkpoint_inputs(hf_dir), *(policy.inputs if policy is not None else ()),
+            *([Input(Path(imatrix.path), "imatrix")] if imatrix is not None else [])]
+
+
+def _run_inputs(plan: Plan, quant: "OnePass | None") -> list[Input]:
+    return run_inputs(plan.hf_dir, *((quant.policy, quant.imatrix) if quant is not None else ()))
 
 
 # ------------------------------------------------------------------------------------
@@ -497,7 +509,7 @@ def convert(plan: Plan, out: Path, *, split_max_tensors: int = 0, split_max_size
                               split_max_size=split_max_size, force=force, tool="kimi-convert",
                               inputs=ckpt.shard_paths + ([Path(imatrix.path)] if imatrix is not None else []),
                               settings={"outtype": plan.outtype, "policy": quant.policy.source if quant else "none"},
-                              resume=resume, manifest=manifest, log=log)
+                              resume=resume, manifest=manifest, reads=_run_inputs(plan, quant), log=log)
     produce = [(lambda t=t: _produce(t, ckpt, cfg)) for t in plan.tensors]
     if plan.repack_rss:
         _repack_pool().submit(mxfp4.load_kernel)        # the kernel's load overlaps the tensors before the experts

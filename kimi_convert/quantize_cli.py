@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, closing
 from pathlib import Path
 from typing import List, Optional
 
@@ -18,8 +18,8 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from .cli import (check_count, check_report_path, console, debug_option, fail, human, interrupted, interrupts_raise,
-                  note, output, parse_size, progress_bar, reading, run_app, typer_app, write_report)
+from .cli import (check_count, console, debug_option, fail, human, interrupted, interrupts_raise, note, output,
+                  parse_size, progress_bar, reading, run_app, typer_app)
 from .errors import Interrupted, KimiError
 
 app = typer_app(help=__doc__)
@@ -59,7 +59,8 @@ def quantize(
     allow_requantize: bool = typer.Option(False, "--allow-requantize",
                                           help="let rules re-quantize already quantized tensors (MXFP4 experts)"),
     threads: int = typer.Option(0, "--threads", metavar="N", help="quantizer threads (default: all cores)"),
-    force: bool = typer.Option(False, "--force", help="overwrite an existing output"),
+    force: bool = typer.Option(False, "--force", help="overwrite an existing output (and --json report); never an "
+                               "input"),
     resume: bool = typer.Option(False, "--resume", help="keep the finished split parts of an interrupted run of "
                                 "the same plan into OUT (each checked against its manifest journal); write the rest"),
     keep_split: bool = typer.Option(False, "--keep-split", help="one output file per input split file"),
@@ -81,8 +82,9 @@ def quantize(
       3      not enough free disk for the output (+ 64 MiB)
       128+N  ended by signal N; nothing written
     """
-    from .gguf_io import check_split_max_size, open_gguf, output_lock
-    from .quant.driver import plan_file, quantize_file
+    from .gguf_io import check_split_max_size, open_gguf, output_lock, written_paths
+    from .paths import Report, refuse_overlap, report_output
+    from .quant.driver import plan_file, quantize_file, run_inputs
     started, result = time.time(), None
     try:
         with interrupts_raise(), ExitStack() as held:
@@ -95,10 +97,11 @@ def quantize(
                 max_size = parse_size(split_max_size)
                 check_split_max_size(max_size, split_max_size)
             check_count(threads, "--threads", 0, MAX_THREADS, "one OS thread each; 0 is all cores")
-            if json_file is not None:
-                check_report_path(json_file)
             pol, imat = load_policy_options(policy, tensor_type, tensor_type_file, imatrix,
                                             allow_requantize=allow_requantize, plan_only=explain or dry_run)
+            refuse_overlap(run_inputs(src, pol, imat), [*(written_paths(out) if out is not None else []),
+                                                        *([report_output(json_file)] if json_file else [])])
+            report = held.enter_context(closing(Report(json_file, force))) if json_file is not None else None
             if not (explain or dry_run):        # a second run into OUT refuses before reading IN
                 held.enter_context(output_lock(out))
             reading(src)
@@ -110,15 +113,16 @@ def quantize(
                     print_explain(plan, pol)
                 if dry_run:
                     print_dry_run(plan)
-                _write_json(json_file, plan, pol)
+                if report:
+                    report.deliver(json_report(plan, pol))
                 return
             with progress_bar(plan.target_bytes) as advance:
                 result = quantize_file(src, out, pol, imatrix=imat, allow_requantize=allow_requantize,
                                        strict=strict, force=force, split_max_size=max_size, keep_split=keep_split,
-                                       threads=threads, on_bytes=advance, log=note, resume=resume)
+                                       threads=threads, on_bytes=advance, log=note, resume=resume,
+                                       reports=[(report, json_report(plan, pol))] if report else [])
             for line in result.notes:
                 note(line)
-            _write_json(json_file, plan, pol)
     except KimiError as e:
         fail(e)
     except Interrupted as e:
@@ -136,7 +140,7 @@ def load_policy_options(policy: str, tensor_type: List[str], tensor_type_file: L
     requirements checked: kimi-quantize and kimi-convert --policy read them alike, before any heavy work."""
     from .quant.policy import load_policy, tensor_type_rules
     reading(policy)         # and its --tensor-type rules
-    pol = load_policy(policy).with_tensor_types(tensor_type_rules(tensor_type, tensor_type_file))
+    pol = load_policy(policy).with_tensor_types(tensor_type_rules(tensor_type, tensor_type_file), tensor_type_file)
     for line in pol.check_requirements(imatrix=imatrix is not None, allow_requantize=allow_requantize,
                                        plan_only=plan_only):
         note(line)
@@ -206,15 +210,14 @@ def print_dry_run_table(plan, title: str):
     return e
 
 
-def _write_json(path: Optional[Path], plan, pol) -> None:
-    if path is None:
-        return
+def json_report(plan, pol) -> str:
+    """The --json report: the plan, every tensor's decision."""
     rows = [{"tensor": d.name, "shape": list(d.shape), "from": d.source.name, "to": d.target.name,
              "bytes": d.target_bytes, "why": d.why, "protection": d.protection.kind if d.protection else None}
             for d in plan.decisions]
     report = {"policy": pol.source, "input_bytes": plan.source_bytes, "output_bytes": plan.target_bytes,
               "tensors": rows, "conflicts": [c.describe() for c in plan.conflicts], "warnings": plan.warnings}
-    write_report(path, json.dumps(report, indent=2) + "\n")
+    return json.dumps(report, indent=2) + "\n"
 
 
 def main() -> None:

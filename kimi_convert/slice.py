@@ -27,12 +27,14 @@ import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
-from .checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint, SourceTensor
+from .checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint, SourceTensor, checkpoint_inputs
 from .errors import ConfigError, KimiError, OutputError
-from .gguf_io import FileRange, copy_range, SourceFiles
+from .gguf_io import FileRange, SourceFiles, copy_range, partial_dir, remove_stale, stale_partials
 from .interrupts import deferred
 from .model import DSA_ALIASES, KimiConfig
+from .paths import FOLDER, Input, Output, refuse_overlap
 from .tensor_map import sanitize
 
 _LAYER_RE = re.compile(r"^(?P<pre>(?:language_model\.)?(?:model\.)?layers\.)(?P<il>\d+)(?P<post>\..+)$")
@@ -167,16 +169,15 @@ def _write_shard(path: Path, tensors: list[tuple[str, SourceTensor]], sources: S
     return sum(t.nbytes for _, t in order)
 
 
-def slice_checkpoint(hf_dir: Path, out_dir: Path, layers: str | list[int], *,
-                     force: bool = False) -> SliceResult:
-    """Write the slice of `hf_dir` with `layers` (a spec string or 0-based ids) into `out_dir`."""
+def slice_checkpoint(hf_dir: Path, out_dir: Path, layers: str | list[int], *, force: bool = False,
+                     log: Callable[[str], None] = lambda s: None) -> SliceResult:
+    """Write the slice of `hf_dir` with `layers` (a spec string or 0-based ids) into `out_dir`; `log` says which
+    partial folders of dead runs it removes."""
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     cfg = KimiConfig.from_hf_dir(hf_dir)
     raw = json.loads((hf_dir / "config.json").read_text())
     # a list is explicit even with one element ("5," is layer 5, "5" would be a count)
     chosen = parse_layers(layers if isinstance(layers, str) else ",".join(map(str, layers)) + ",", cfg)
-    if out_dir.resolve() == hf_dir.resolve():
-        raise OutputError(f"{out_dir}: the slice cannot overwrite its source")
     if out_dir.exists() and not out_dir.is_dir():
         raise OutputError(f"{out_dir}: not a folder; OUT_DIR is the folder the sliced checkpoint goes into")
     if out_dir.exists() and any(out_dir.iterdir()) and not force:
@@ -209,7 +210,10 @@ def slice_checkpoint(hf_dir: Path, out_dir: Path, layers: str | list[int], *,
     n_shards = len(groups)
     new_raw = slice_config(raw, cfg, chosen)
 
-    tmp = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
+    tmp = partial_dir(out_dir)
+    shards = [shard_name(k, n_shards) for k in range(1, n_shards + 1)]
+    refuse_overlap(slice_inputs(hf_dir), slice_outputs(out_dir, shards, tmp, hf_dir))
+    remove_stale(stale_partials(out_dir), log)
     if tmp.exists():
         shutil.rmtree(tmp)
     with contextlib.ExitStack() as settling:      # from the install, or a failure, on: signals wait
@@ -228,10 +232,9 @@ def slice_checkpoint(hf_dir: Path, out_dir: Path, layers: str | list[int], *,
             (tmp / "config.json").write_text(json.dumps(new_raw, indent=2, sort_keys=True,
                                                         ensure_ascii=False) + "\n")
             copied = []
-            for p in sorted(hf_dir.iterdir()):
-                if p.is_file() and p.name not in _COPY_SKIP and not p.name.endswith(".safetensors"):
-                    shutil.copy2(p, tmp / p.name)
-                    copied.append(p.name)
+            for p in _copied(hf_dir):
+                shutil.copy2(p, tmp / p.name)
+                copied.append(p.name)
             try:
                 new_cfg = KimiConfig.from_hf_dir(tmp)          # the rewritten config must parse
             except ConfigError as e:
@@ -246,6 +249,27 @@ def slice_checkpoint(hf_dir: Path, out_dir: Path, layers: str | list[int], *,
             raise
         shutil.rmtree(tmp, ignore_errors=True)
     return SliceResult(out_dir, chosen, len(weight_map), total, shards, dropped, copied, new_cfg)
+
+
+def slice_inputs(hf_dir: Path) -> list[Input]:
+    """What a slice reads: the checkpoint's shards and every other file it copies."""
+    return [*checkpoint_inputs(hf_dir), *(Input(p, "checkpoint file") for p in _copied(hf_dir))]
+
+
+def slice_outputs(out_dir: Path, shards: list[str], tmp: Path, hf_dir: Path) -> list[Output]:
+    """What a slice writes into `out_dir`, or removes there (an earlier slice's shards), and its partial folder."""
+    names = {*shards, INDEX_NAME, "config.json", *(p.name for p in _copied(hf_dir))}
+    stale = [*out_dir.glob("model-*-of-*.safetensors"), out_dir / SINGLE_NAME] if out_dir.is_dir() else []
+    return [*(Output(out_dir / n, "slice file") for n in sorted(names)),
+            *(Output(p, "earlier slice's shard") for p in stale if p.name not in names),
+            Output(tmp, "partial folder", FOLDER),
+            *(Output(p, "stale partial folder", FOLDER) for p in stale_partials(out_dir))]
+
+
+def _copied(hf_dir: Path) -> list[Path]:
+    """The checkpoint's other files, copied into the slice as they are (tokenizer, template, ...)."""
+    return [p for p in sorted(hf_dir.iterdir())
+            if p.is_file() and p.name not in _COPY_SKIP and not p.name.endswith(".safetensors")]
 
 
 def _install(tmp: Path, out_dir: Path) -> None:

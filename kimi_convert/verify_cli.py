@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import ExitStack, closing
 from pathlib import Path
 from typing import List, Optional
 
@@ -20,9 +21,10 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from .cli import (check_count, check_input_file, check_report_path, console as err, debug_option, fail, human,
-                  interrupted, interrupts_raise, output as out, reading, run_app, typer_app, write_report)
+from .cli import (check_count, check_input_file, console as err, debug_option, fail, human, interrupted,
+                  interrupts_raise, output as out, reading, run_app, typer_app)
 from .errors import Interrupted, KimiError
+from .paths import Input, Report, refuse_overlap, report_output
 
 app = typer_app(help=__doc__, no_args_is_help=True)     # out: the report (stdout); err: progress, errors
 SHOW_FAILURES = 20
@@ -45,14 +47,13 @@ def slice_cmd(
 ):
     """Write a real N-layer checkpoint from a full one, streamed by byte ranges."""
     from .convert import peak_rss
-    from .gguf_io import remove_stale, stale_partials
     from .slice import slice_checkpoint
     started, r = time.time(), None
     try:
         with interrupts_raise():            # SIGTERM and SIGHUP unwind through the slice's cleanup too
             reading(hf_dir)
-            remove_stale(stale_partials(out_dir), lambda s: err.print(s, highlight=False, markup=False))
-            r = slice_checkpoint(hf_dir, out_dir, layers, force=force)
+            r = slice_checkpoint(hf_dir, out_dir, layers, force=force,
+                                 log=lambda s: err.print(s, highlight=False, markup=False))
     except KimiError as e:
         fail(e)
     except Interrupted as e:
@@ -90,48 +91,63 @@ def check_cmd(
                                             "its whole split "
                                             "set) byte for byte against the manifest kimi-convert / kimi-quantize "
                                             "wrote beside it (OUT.gguf.manifest.json); needs no checkpoint"),
+    force: bool = typer.Option(False, "--force", help="overwrite an existing --json report (never an input)"),
     _debug: bool = debug_option(),
 ):
     """Check FILE.gguf against HF_DIR (tensors, metadata, logits, K3.1 indexer, perplexity, quantization
     cost), or on its own (structure, tensors, metadata, forward pass), or against its manifest."""
     if manifest is not None:
-        return check_against_manifest(paths, manifest, json_file,
+        return check_against_manifest(paths, manifest, json_file, force,
                                       other=[f for f, v in (("--imatrix", imatrix), ("--max-kl", max_kl)) if v])
+    from .checkpoint import checkpoint_inputs
+    from .gguf_io import gguf_inputs
     from .verify import verify
     try:
-        hf_dir, gguf = _split_args(paths)
-        check_count(length, "--length", 2, MAX_LENGTH, "Kimi-K3's context")
-        check_count(seed, "--seed", 0)
-        if json_file is not None:
-            check_report_path(json_file)          # before the work, not after it
-        reading(gguf)
-        report = verify(gguf, hf_dir, length=length, seed=seed, imatrix=imatrix, max_kl=max_kl,
-                        log=lambda s: err.print(f"[dim]{s}[/]", highlight=False))
-        print_report(report)
-        if json_file is not None:
-            write_report(json_file, json.dumps(report.to_dict(), indent=2) + "\n")
+        with ExitStack() as held:
+            hf_dir, gguf = _split_args(paths)
+            check_count(length, "--length", 2, MAX_LENGTH, "Kimi-K3's context")
+            check_count(seed, "--seed", 0)
+            reads = [*gguf_inputs(gguf), *(checkpoint_inputs(hf_dir) if hf_dir else []),
+                     *([Input(imatrix, "imatrix")] if imatrix is not None else [])]
+            report_file = _report(held, json_file, force, reads)      # before the work, not after it
+            reading(gguf)
+            report = verify(gguf, hf_dir, length=length, seed=seed, imatrix=imatrix, max_kl=max_kl,
+                            log=lambda s: err.print(f"[dim]{s}[/]", highlight=False))
+            print_report(report)
+            if report_file is not None:
+                report_file.deliver(json.dumps(report.to_dict(), indent=2) + "\n")
     except KimiError as e:
         fail(e)
     raise typer.Exit(0 if report.ok else 1)
 
 
-def check_against_manifest(paths: List[Path], manifest: Path, json_file: Optional[Path], other: List[str]) -> None:
+def _report(held: ExitStack, json_file: Optional[Path], force: bool, reads: list) -> "Report | None":
+    """The --json report, checked writable (and, a FIFO, opened) now, and never one of the files read."""
+    if json_file is None:
+        return None
+    refuse_overlap(reads, [report_output(json_file)])
+    return held.enter_context(closing(Report(json_file, force)))
+
+
+def check_against_manifest(paths: List[Path], manifest: Path, json_file: Optional[Path], force: bool,
+                           other: List[str]) -> None:
     """check --manifest: each difference on a line of its own, then one summary line; exit 1 on any."""
+    from .gguf_io import gguf_inputs
     from .gguf_io.manifest import check_manifest
     try:
-        if other:
-            raise KimiError(f"{other[0]} does not apply to check --manifest (it compares bytes only)")
-        if len(paths) != 1:
-            raise KimiError("check --manifest takes one FILE.gguf (any part of a split set), and no checkpoint")
-        if json_file is not None:
-            check_report_path(json_file)
-        reading(paths[0])
-        result = check_manifest(paths[0], manifest)
-        for d in result.differences:
-            out.print(d.line(), highlight=False, markup=False, soft_wrap=True)
-        out.print(result.summary(), highlight=False, markup=False, soft_wrap=True)
-        if json_file is not None:
-            write_report(json_file, json.dumps(result.to_json(), indent=2) + "\n")
+        with ExitStack() as held:
+            if other:
+                raise KimiError(f"{other[0]} does not apply to check --manifest (it compares bytes only)")
+            if len(paths) != 1:
+                raise KimiError("check --manifest takes one FILE.gguf (any part of a split set), and no checkpoint")
+            report_file = _report(held, json_file, force, [*gguf_inputs(paths[0]), Input(manifest, "manifest")])
+            reading(paths[0])
+            result = check_manifest(paths[0], manifest)
+            for d in result.differences:
+                out.print(d.line(), highlight=False, markup=False, soft_wrap=True)
+            out.print(result.summary(), highlight=False, markup=False, soft_wrap=True)
+            if report_file is not None:
+                report_file.deliver(json.dumps(result.to_json(), indent=2) + "\n")
     except KimiError as e:
         fail(e)
     raise typer.Exit(0 if result.ok else 1)

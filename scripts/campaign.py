@@ -23,6 +23,7 @@ traceback; for `kimi-verify check`, a FAIL report is a refusal too) or flagged:
                  capped at the fork point's + 4 GiB, so that a blowup fails instead of swapping)
   hang           no exit within --timeout seconds (then SIGKILL)
   left-behind    anything new in the output folder after a failed run (hidden partial folders, locks, manifests)
+  input-lost     a file the command reads changed (an output, a report or a lock written over an input)
 
 Speed: the commands run in fork()ed children of workers that imported everything once (typer's lazy modules,
 numba's kernels, torch), on fixtures made once: a fork-server. Children are single-threaded (OMP/BLAS/numba).
@@ -62,7 +63,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 FLAGS = ("traceback", "fallback", "wrong-success", "wrong-output", "valid-failed", "not-one-error", "memory",
-         "hang", "left-behind")
+         "hang", "left-behind", "input-lost")
 MiB, GiB = 1 << 20, 1 << 30
 AS_HEADROOM = 4 * GiB
 
@@ -84,7 +85,8 @@ class Fixtures:
 
 
 FIXTURE_FILES = {"k3": "k3", "k31": "k31", "k3_gguf": "k3.gguf", "k31_gguf": "k31.gguf",
-                 "imatrix_gguf": "k3.imatrix.gguf", "imatrix_dat": "k3.imatrix.dat", "policy": "q4k.toml"}
+                 "imatrix_gguf": "k3.imatrix.gguf", "imatrix_dat": "k3.imatrix.dat", "policy": "q4k.toml",
+                 "split": "split"}
 QUANT_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K", "BF16", "F16")     # the campaign's policies choose among these
 POLICY_TEXT = ('default = "Q4_K"\n\n[[rules]]\npattern = "attn_(q_a|q_b|kv_a)"\ntype = "Q8_0"\n'
                'why = "low-rank projections"\n\n[[rules]]\npattern = "token_embd|output"\ntype = "Q6_K"\n')
@@ -102,6 +104,12 @@ def build_fixtures(base: Path) -> Fixtures:
         if r.code != 0:
             raise SystemExit(f"fixture {name}: {prog} failed:\n{r.err}")
     _write_imatrices(fx)
+    fx.split.mkdir()
+    r = spawn("kimi-quantize", ["--policy", "q8_0", str(fx.k3_gguf), str(fx.split / "s.gguf"), "--split-max-size",
+                                "1M"], base, timeout=300)
+    if r.code != 0:
+        raise SystemExit(f"fixture split: kimi-quantize failed:\n{r.err}")
+    (fx.split / "s.gguf.manifest.json").unlink()
     for name, (prog, args) in REFERENCES.items():
         out = base / "ref" / name
         out.mkdir(parents=True)
@@ -379,6 +387,7 @@ class Case:
     send: tuple | None = None  # (signal, delay s)
     rerun: list | None = None  # after `send`: the run that must then succeed and equal `ref`
     unprivileged: bool = False
+    intact: list = field(default_factory=list)     # inputs whose bytes the run must leave as they were
 
 
 @dataclass
@@ -1000,6 +1009,71 @@ def _io(c: Ctx, prog: str, out: Path) -> list:
     return [c.fx.k3, out] if prog == "kimi-convert" else ["--policy", "q8_0", c.fx.k3_gguf, out]
 
 
+# ---------------------------------------------------------------------------------- overlapping paths
+
+def case_overlap(c: Ctx) -> Case:
+    """An output, a report or a helper path that is (or leads to) a file the command reads, spelled as users
+    mistype it: never written over, with --force or without (kimi_convert.paths). Inputs are private copies under
+    out/, so that anything a refused run leaves beside them counts as left behind."""
+    rng = c.rng
+    force = ["--force"] if rng.random() < 0.7 else []
+    hf = c.out / "ckpt"
+    shutil.copytree(c.fx.k3, hf)
+    files = sorted(p for p in hf.iterdir() if p.suffix in (".json", ".safetensors", ".model"))    # what is read
+    src = Path(shutil.copyfile(c.fx.k3_gguf, c.out / "in.gguf"))
+    pol = Path(shutil.copyfile(c.fx.policy, c.out / "policy.toml"))
+    imatrix = Path(shutil.copyfile(c.fx.imatrix_gguf, c.out / "k3.imatrix.gguf"))
+    kind = rng.choice(["convert-over-checkpoint", "convert-over-policy", "convert-lock", "quantize-over-input",
+                       "quantize-json", "quantize-keep-split", "verify-json", "slice-into-source",
+                       "link-to-input"])
+    victim = rng.choice(files)
+    intact = [*files, src, pol, imatrix]
+    if kind == "convert-over-checkpoint":
+        args = [hf, victim, *force] + (["--dry-run"] if rng.random() < 0.2 else [])
+        return Case("overlap", f"kimi-convert into {victim.name}", "kimi-convert", args, "bad", intact=intact)
+    if kind == "convert-over-policy":
+        target, extra = rng.choice([(pol, ["--policy", pol]), (imatrix, ["--policy", pol, "--imatrix", imatrix])])
+        return Case("overlap", f"kimi-convert --policy into {target.name}", "kimi-convert",
+                    [hf, target, *extra, *force], "bad", intact=intact)
+    if kind == "convert-lock":
+        out = c.out / "out.gguf"
+        lock = c.out / ".out.gguf.lock"
+        lock.symlink_to(victim) if rng.random() < 0.5 else os.link(victim, lock)
+        return Case("overlap", f"the lock file links to {victim.name}", "kimi-convert", [hf, out, *force], "bad",
+                    intact=intact)
+    if kind == "quantize-over-input":
+        target = rng.choice([src, pol, imatrix])
+        return Case("overlap", f"kimi-quantize into {target.name}", "kimi-quantize",
+                    ["--policy", pol, "--imatrix", imatrix, src, target, *force], "bad", intact=intact)
+    if kind == "quantize-json":
+        out = c.out / "out.gguf"
+        target = rng.choice([src, pol, imatrix, out, c.out / "out.gguf.manifest.json"])
+        dry = ["--dry-run"] if rng.random() < 0.3 else []
+        return Case("overlap", f"kimi-quantize --json {target.name}", "kimi-quantize",
+                    ["--policy", pol, "--imatrix", imatrix, "--json", target, src, out, *dry, *force], "bad",
+                    intact=intact)
+    if kind == "quantize-keep-split":
+        parts = [Path(shutil.copyfile(p, c.out / p.name)) for p in sorted(c.fx.split.glob("*.gguf"))]
+        return Case("overlap", "kimi-quantize --keep-split into the split input's own names", "kimi-quantize",
+                    ["--policy", "q8_0", "--keep-split", rng.choice(parts), c.out / "s.gguf", *force], "bad",
+                    intact=[*intact, *parts])
+    if kind == "verify-json":
+        target, extra = rng.choice([(src, [src]), (victim, [hf, src])])
+        return Case("overlap", f"kimi-verify check --json {target.name}", "kimi-verify",
+                    ["check", *extra, "--json", target, "--length", "4", *force], "bad", intact=intact)
+    if kind == "slice-into-source":
+        out_dir = hf
+        if rng.random() < 0.5:
+            out_dir = c.out / "same"
+            out_dir.symlink_to(hf)
+        return Case("overlap", "kimi-verify slice into its own checkpoint", "kimi-verify",
+                    ["slice", hf, out_dir, "--layers", "2", "--force"], "bad", intact=intact)
+    out = c.out / "link.gguf"           # a link to an input: the rename replaces the link, the input stays
+    out.symlink_to(victim) if rng.random() < 0.5 else os.link(victim, out)
+    return Case("overlap", f"kimi-convert over a link to {victim.name}", "kimi-convert", [hf, out, "--force"],
+                "ok-any", intact=intact)
+
+
 # ---------------------------------------------------------------------------------- valid inputs and signals
 
 VALID = [("convert", "kimi-convert", lambda c: [c.fx.k3, c.out / "out.gguf"]),
@@ -1038,7 +1112,7 @@ CLASSES: list[tuple[str, float, Callable[[Ctx], Case]]] = [
     ("valid", 0.08, case_valid), ("safetensors header", 0.20, case_safetensors_header),
     ("config", 0.10, case_config), ("checkpoint", 0.12, case_checkpoint), ("gguf", 0.20, case_gguf),
     ("policy/imatrix", 0.12, case_policy), ("options", 0.07, case_options), ("outputs", 0.04, case_outputs),
-    ("signal", 0.07, case_signal)]
+    ("overlap", 0.06, case_overlap), ("signal", 0.07, case_signal)]
 
 
 def make_case(seed: int, index: int, fx: Fixtures, run: Path) -> Case:
@@ -1122,8 +1196,12 @@ def execute(seed: int, index: int, fx: Fixtures, work: Path, timeout: float, mem
     try:
         case = make_case(seed, index, fx, run)
         before = listing(run / "out")
+        intact = {p: hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in case.intact}
         r = spawn(case.prog, case.args, run, timeout=timeout, send=case.send, unprivileged=case.unprivileged)
         flags = check_run(case, r, before, run / "out", fx, mem_bound)
+        if any(not Path(p).is_file() or hashlib.sha256(Path(p).read_bytes()).hexdigest() != h
+               for p, h in intact.items()):
+            flags.append("input-lost")
         outcomes, new = [r], [sorted(listing(run / "out") - before)]
         if case.rerun is not None and not flags:
             r2 = spawn(case.prog, case.rerun, run, timeout=timeout)

@@ -134,7 +134,7 @@ def test_existing_output_and_input_as_output(src, out_dir):
     assert r.returncode == 1 and "already exists (use --force" in r.stderr
     assert (out_dir / "q.gguf").read_bytes() == b"mine"
     r = quantize("--policy", "q8_0", src, src, "--force")
-    assert r.returncode == 1 and "is the input file" in r.stderr
+    assert r.returncode == 1 and "the output would overwrite the input GGUF, which this run reads" in r.stderr
 
 
 def test_file_size_limit_mid_write(src, out_dir):

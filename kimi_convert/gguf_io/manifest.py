@@ -22,6 +22,7 @@ from typing import Any, Iterable
 from gguf import GGML_QUANT_SIZES
 
 from ..errors import CheckpointError
+from ..paths import helper_stem
 
 MANIFEST_FORMAT = "kimi-convert GGUF manifest"
 MANIFEST_VERSION = 1
@@ -37,9 +38,10 @@ class ManifestError(CheckpointError):
 
 
 def manifest_path(out: Path) -> Path:
-    """Where the manifest of `out` (and of its split parts) goes: OUT.gguf.manifest.json."""
+    """Where the manifest of `out` (and of its split parts) goes: OUT.gguf.manifest.json (paths.helper_stem: the
+    name shortened, with a hash of it, where that would be too long for the file system)."""
     out = Path(out)
-    return out.with_name(out.name + ".manifest.json")
+    return out.with_name(helper_stem(out) + ".manifest.json")
 
 
 def tool_version(tool: str) -> str:

@@ -35,6 +35,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize
 
 from ..errors import CheckpointError
+from ..paths import Input
 from ..gcutil import gc_paused        # full collections over 500k new objects find nothing
 from .writer import COPY_CHUNK, FileRange, tensor_nbytes
 
@@ -519,6 +520,16 @@ def gguf_parts(path: Path) -> list[Path]:
     if missing:
         raise CheckpointError(f"{missing[0]}: split part missing")
     return parts
+
+
+def gguf_inputs(path: Path) -> list[Input]:
+    """The files a command that reads the GGUF `path` reads (every part of a split set), for
+    paths.refuse_overlap; a set with a part missing is left to open_gguf to refuse."""
+    try:
+        parts = gguf_parts(Path(path))
+    except CheckpointError:
+        parts = [Path(path)]
+    return [Input(p, "input GGUF" if len(parts) == 1 else "split part of the input") for p in parts]
 
 
 def open_gguf(path: Path) -> GGUFFile:

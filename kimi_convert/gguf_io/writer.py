@@ -35,6 +35,7 @@ from gguf.gguf_writer import WriterState
 
 from ..errors import CheckpointError, DiskSpaceError, OutputError
 from ..interrupts import deferred, deliver_postponed
+from ..paths import FOLDER, IN_PLACE, Input, Output, Report, check_name_fits, helper_stem, refuse_overlap
 from . import manifest as mf
 
 COPY_CHUNK = 64 << 20
@@ -100,12 +101,12 @@ def check_output_paths(finals: list[Path], force: bool) -> None:
 
 def partial_dir(out: Path, pid: int | None = None) -> Path:
     """The hidden folder beside `out` in which process `pid` (default: this one) writes it."""
-    return out.parent / f".{out.name}.partial-{os.getpid() if pid is None else pid}"
+    return out.parent / f".{helper_stem(out)}.partial-{os.getpid() if pid is None else pid}"
 
 
 def stale_partials(out: Path) -> list[Path]:
     """Partial folders of `out` whose process is gone: what SIGKILL or a crash leaves behind."""
-    pattern = re.compile(rf"\.{re.escape(out.name)}\.partial-(\d+)")
+    pattern = re.compile(rf"\.{re.escape(helper_stem(out))}\.partial-(\d+)")
     try:
         entries = list(out.parent.iterdir())
     except OSError:
@@ -185,7 +186,7 @@ def remove_stale(stale: list[Path], log: Callable[[str], None]) -> None:
 
 
 def lock_path(out: Path) -> Path:
-    return Path(out).parent / f".{Path(out).name}.lock"
+    return Path(out).parent / f".{helper_stem(Path(out))}.lock"
 
 
 NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL)   # file systems without flock (some FUSE and NFS)
@@ -227,8 +228,9 @@ def _lock(out: Path, path: Path) -> int:
     """Create (or open) and flock `path`, write our pid into it; the open fd."""
     while True:
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except OSError as e:        # a read-only folder, say
+            # O_NOFOLLOW: a lock file that is a symlink would truncate what it points at
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        except OSError as e:        # a read-only folder, a symlink (ELOOP), say
             raise OutputError(f"{out}: cannot write in {path.parent} ({e.strerror or e}); nothing was written") \
                 from None
         try:
@@ -263,6 +265,19 @@ def _same_file(path: Path, fd: int) -> bool:
         return False
 
 
+def written_paths(out: Path, finals: list[Path] | None = None, reports: Iterable[Report] = ()) -> list[Output]:
+    """Every path a write of `out` (as `finals`: its file or split parts) writes, creates or removes, for
+    paths.refuse_overlap; each file's name checked against the file system's limit."""
+    finals = finals or [out]
+    what = "split part" if len(finals) > 1 else "output"
+    for p in finals:
+        check_name_fits(p, what)
+    return [*(Output(p, what) for p in finals), Output(mf.manifest_path(out), "manifest"),
+            Output(lock_path(out), "lock file", IN_PLACE), Output(partial_dir(out), "partial folder", FOLDER),
+            *(Output(p, "stale partial folder", FOLDER) for p in stale_partials(out)),
+            *(r.output for r in reports)]
+
+
 def _split_setting(max_size: int, max_tensors: int) -> str:
     limits = [f"{max_size:,} bytes"] * bool(max_size) + [f"{max_tensors} tensors"] * bool(max_tensors)
     return " and ".join(limits) or "none"
@@ -278,11 +293,14 @@ class GGUFStreamWriter:
     (option -> value, for the options that shape the bytes) make, with the split limits and the headers,
     the run's plan: `resume` takes over an interrupted run's partial folder only if its plan is the same.
     `manifest=False` hashes nothing and writes no manifest (measuring what hashing costs).
+    `reads` are the other files the run reads (a policy, an imatrix, ...): no path it writes may be one of them, nor
+    one of `inputs` (paths.refuse_overlap). `reports` are renamed into place with the file(s) (paths.Report).
     """
 
     def __init__(self, out: Path, arch: str, *, split_max_tensors: int = 0, split_max_size: int = 0,
                  force: bool = False, tool: str = "kimi-convert", inputs: Iterable[Path] = (),
                  settings: dict[str, str] | None = None, resume: bool = False, manifest: bool = True,
+                 reads: Iterable[Input] = (), reports: Iterable[tuple[Report, str]] = (),
                  log: Callable[[str], None] = lambda s: None):
         if resume and not manifest:
             raise ValueError("resume needs the manifest's journal")
@@ -296,6 +314,8 @@ class GGUFStreamWriter:
         self.resume, self.manifest, self.log = resume, manifest, log
         self.journal: Path | None = None
         self.took_over = False      # the partial folder is an earlier run's, taken over by --resume
+        self.reads = [*reads, *(Input(Path(p), "input file") for p in self.inputs)]
+        self.reports = list(reports)    # (report, its text): committed with the file(s), or not at all
 
     def add_kv(self, key: str, value: Any, vtype: GGUFValueType, sub_type: GGUFValueType | None = None):
         self.meta.add_key_value(key, value, vtype, sub_type)
@@ -313,6 +333,7 @@ class GGUFStreamWriter:
     def write(self, tensors: list[OutTensor], on_bytes: Callable[[int], None] = lambda n: None) -> list[Path]:
         files = self.plan_files(tensors)
         finals = split_paths(self.out, len(files))
+        refuse_overlap(self.reads, self.outputs(finals))     # --force or not: first
         check_output_paths(finals, self.force)
         if mf.manifest_path(self.out).is_dir():
             raise OutputError(f"{mf.manifest_path(self.out)}: is a folder; the manifest of {self.out} goes there")
@@ -334,6 +355,9 @@ class GGUFStreamWriter:
                 raise
             shutil.rmtree(self.tmp_dir, ignore_errors=True)
         return finals
+
+    def outputs(self, finals: list[Path]) -> list[Output]:
+        return written_paths(self.out, finals, [r for r, _ in self.reports])
 
     def _kept_on_interrupt(self) -> bool:
         """Interrupted while resuming: the parts taken over from the earlier run (and those finished since)
@@ -489,6 +513,8 @@ class GGUFStreamWriter:
         """The parts, then the manifest (never one without its files), renamed into place; then the folder
         synced, so that the renames survive a power cut."""
         temps = [self.tmp_dir / p.name for p in finals]
+        reports = [staged for r, text in self.reports if (staged := r.stage(self.tmp_dir, text)) is not None]
+        temps, finals = [*temps, *(t for t, _ in reports)], [*finals, *(f for _, f in reports)]
         target = mf.manifest_path(self.out)
         if self.manifest:
             mf.write_manifest(self.tmp_dir / target.name, mf.Manifest(mf.tool_version(self.tool), entries))

@@ -18,9 +18,11 @@ import numpy as np
 from gguf import GGML_QUANT_VERSION, GGUFValueType, LlamaFileType
 from gguf import GGMLQuantizationType as QT
 
-from ..errors import CheckpointError, KimiError
+from ..errors import CheckpointError
 from ..gguf_io import (Chunk, GGUFFile, GGUFStreamWriter, GGUFTensor, OutTensor, check_free_disk, check_output_paths,
-                       check_split_max_size, disk_bytes, disk_room, iter_chunks_of, open_gguf, stale_partials)
+                       check_split_max_size, disk_bytes, disk_room, gguf_inputs, iter_chunks_of, open_gguf,
+                       split_paths, stale_partials, written_paths)
+from ..paths import Input, Report, refuse_overlap
 from ..model import KimiConfig
 from ..tensor_map import ggml_n_dims, gguf_group
 from .plan import Decision, QuantizeError, QuantPlan, plan_quantization
@@ -91,18 +93,23 @@ def metadata(stored: Iterable[tuple], ftype: int, extra: list[tuple[str, object,
 def quantize_file(src: Path, out: Path, policy: Policy, *, imatrix=None, allow_requantize: bool = False,
                   strict: bool = False, force: bool = False, split_max_size: int = 0, keep_split: bool = False,
                   threads: int = 0, on_bytes: Callable[[int], None] = lambda n: None,
-                  log: Callable[[str], None] = lambda s: None, resume: bool = False) -> QuantizeResult:
+                  log: Callable[[str], None] = lambda s: None, resume: bool = False,
+                  reports: Iterable[tuple[Report, str]] = ()) -> QuantizeResult:
+    """`reports`: (report, its text), renamed into place with the output, or not at all."""
     policy.check_requirements(imatrix=imatrix is not None, allow_requantize=allow_requantize)
     gf = open_gguf(Path(src))
     plan = plan_file(gf, policy, allow_requantize=allow_requantize, strict=strict)
-    preflight(gf, plan, Path(out), force=force, split_max_size=split_max_size, log=log)
+    reports = list(reports)
+    reads = run_inputs(gf.paths[0], policy, imatrix)
+    preflight(gf, plan, Path(out), force=force, split_max_size=split_max_size, log=log, keep_split=keep_split,
+              reads=reads, reports=[r for r, _ in reports])
     notes: list[str] = []
     vectors = imatrix_vectors(plan, imatrix, notes) if imatrix is not None else {}
     extra = imatrix.metadata() if imatrix is not None else []
     writer = GGUFStreamWriter(Path(out), gf.arch, split_max_size=split_max_size, force=force, tool="kimi-quantize",
                               inputs=gf.paths + ([Path(imatrix.path)] if imatrix is not None else []),
                               settings={"policy": policy.source, "keep-split": "yes" if keep_split else "no"},
-                              resume=resume, log=log)
+                              resume=resume, reads=reads, reports=reports, log=log)
     for key, value, vtype, sub in metadata(stored_metadata(gf), file_type(policy, stored_file_type(gf)), extra):
         writer.add_kv(key, value, vtype, sub)
     part = {p: i for i, p in enumerate(gf.paths)}
@@ -123,14 +130,21 @@ def ggml_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     return shape[len(shape) - ggml_n_dims(shape):]
 
 
+def run_inputs(src: Path, policy: Policy, imatrix=None) -> list[Input]:
+    """Every file a run of kimi-quantize reads: the GGUF (all its parts), the policy's files, the imatrix."""
+    return [*gguf_inputs(src), *policy.inputs, *([Input(Path(imatrix.path), "imatrix")] if imatrix is not None else [])]
+
+
 def preflight(gf: GGUFFile, plan: QuantPlan, out: Path, *, force: bool, split_max_size: int,
-              log: Callable[[str], None]) -> None:
-    """What the run checks before it writes a byte (the converter's checks, from the one GGUF layer)."""
-    if out.resolve() in {p.resolve() for p in gf.paths}:
-        raise KimiError(f"{out}: is the input file; write the output elsewhere")
+              log: Callable[[str], None], keep_split: bool = False, reads: Iterable[Input] = (),
+              reports: Iterable[Report] = ()) -> None:
+    """What the run checks before it writes a byte (the converter's checks, from the one GGUF layer). The
+    split parts that --split-max-size makes are known only to the writer, which checks them again."""
     if split_max_size:
         check_split_max_size(split_max_size)
-    check_output_paths([out], force)
+    finals = split_paths(out, len(gf.paths)) if keep_split else [out]
+    refuse_overlap(reads, written_paths(out, finals, reports))
+    check_output_paths(finals, force)
     stale = stale_partials(out)       # the writer removes them (or, resuming, takes one over)
     check_free_disk(disk_room(plan.target_bytes, out, sum(disk_bytes(p) for p in stale)))
 

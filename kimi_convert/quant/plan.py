@@ -21,7 +21,7 @@ from gguf import GGMLQuantizationType as QT
 from ..errors import KimiError
 from ..gguf_io import tensor_nbytes
 from ..tensor_map import MXFP4_EXPERTS, Protection, protection
-from .policy import Policy, Rule, type_name
+from .policy import Policy, Rule, first_matches, type_name
 
 FLOAT_TYPES = (QT.F32, QT.F16, QT.BF16)
 # llama-quantize's shape fallback (tensor_type_fallback); 32-block types have no smaller block to go to
@@ -91,8 +91,10 @@ def plan_quantization(tensors: Iterable[tuple[str, tuple[int, ...], QT]], policy
                       allow_requantize: bool = False, strict: bool = False) -> QuantPlan:
     """Decide every tensor of (name, numpy shape, stored type); raises QuantizeError for what cannot be done."""
     plan = QuantPlan([])
+    tensors = list(tensors)
+    rules = first_matches(policy.rules, [name for name, _, _ in tensors])    # every pattern in bounded time
     for name, shape, source in tensors:
-        d, conflict = decide(name, tuple(shape), source, policy, allow_requantize)
+        d, conflict = decide(name, tuple(shape), source, policy, allow_requantize, rules[name])
         plan.decisions.append(d)
         if conflict is not None:
             plan.conflicts.append(conflict)
@@ -106,10 +108,15 @@ def plan_quantization(tensors: Iterable[tuple[str, tuple[int, ...], QT]], policy
     return plan
 
 
-def decide(name: str, shape: tuple[int, ...], source: QT, policy: Policy,
-           allow_requantize: bool) -> tuple[Decision, Conflict | None]:
+_UNSEARCHED = object()
+
+
+def decide(name: str, shape: tuple[int, ...], source: QT, policy: Policy, allow_requantize: bool,
+           rule: "Rule | None | object" = _UNSEARCHED) -> tuple[Decision, Conflict | None]:
+    """The decision for one tensor; `rule`: its first matching rule, when first_matches has found it already."""
+    if rule is _UNSEARCHED:
+        rule = first_matches(policy.rules, [name])[name]
     guard = protection(name, shape, source == QT.MXFP4)
-    rule = policy.first_match(name)
     if guard is not None and not (guard.kind == MXFP4_EXPERTS and allow_requantize):
         named = rule is not None and rule.target not in (None, source)
         why = f"protected ({guard.kind}): {guard.why}"

@@ -17,14 +17,20 @@ selects the same tensors here. Every error names the file and line it comes from
 from __future__ import annotations
 
 import re
+import reprlib
+import signal
+import threading
 import tomllib
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
+from typing import Iterable, Iterator
 
 from gguf import GGMLQuantizationType as QT
 
 from ..errors import KimiError
+from ..paths import Input
 
 KEEP = None                    # the target "keep": the tensor stays as it is stored
 
@@ -65,10 +71,13 @@ class Policy:
     description: str = ""
     requires: tuple[str, ...] = ()     # REQUIREMENTS keys, in the file's order
     requires_origin: str = ""          # "k3-q2.toml:12"
+    # the files it was read from (the policy file, the --tensor-type-files): no output may replace one
+    inputs: tuple[Input, ...] = ()
 
-    def with_tensor_types(self, first: list[Rule]) -> "Policy":
-        """--tensor-type rules go before the policy's own."""
-        return replace(self, rules=(*first, *self.rules))
+    def with_tensor_types(self, first: list[Rule], files: Iterable[Path] = ()) -> "Policy":
+        """--tensor-type rules (read from the command line and `files`) go before the policy's own."""
+        return replace(self, rules=(*first, *self.rules),
+                       inputs=(*self.inputs, *(Input(Path(f), "tensor-type file") for f in files)))
 
     def check_requirements(self, *, imatrix: bool, allow_requantize: bool, plan_only: bool = False) -> list[str]:
         """Refuse a run that lacks what the policy `requires`: one PolicyError naming the policy, what is missing
@@ -89,9 +98,6 @@ class Policy:
         return [f"{self.source}: writing the file needs {REQUIREMENTS[r][0]} too ({self.requires_origin}); "
                 f"the plan does not depend on it" for r in later]
 
-    def first_match(self, name: str) -> Rule | None:
-        return next((r for r in self.rules if r.pattern.search(name)), None)
-
 
 def type_name(target: QT | None) -> str:
     return "keep" if target is None else target.name
@@ -99,7 +105,7 @@ def type_name(target: QT | None) -> str:
 
 def parse_type(text: object, where: str) -> QT | None:
     if not isinstance(text, str):
-        raise PolicyError(f"{where}: type must be a string such as \"Q4_K\" or \"keep\", not {text!r}")
+        raise PolicyError(f"{where}: type must be a string such as \"Q4_K\" or \"keep\", not {shown(text)}")
     if text.strip().lower() == "keep":
         return KEEP
     found = next((t for t in TARGET_TYPES if t.name.lower() == text.strip().lower()), None)
@@ -109,14 +115,70 @@ def parse_type(text: object, where: str) -> QT | None:
     return found
 
 
+def shown(value: object) -> str:
+    """A value from a policy, for a message: short, and safe for any nesting (reprlib stops at 6 levels)."""
+    return reprlib.repr(value)
+
+
 def compile_pattern(text: object, where: str) -> re.Pattern:
     if not isinstance(text, str) or not text:
-        raise PolicyError(f"{where}: pattern must be a non-empty string (a Python regex), not {text!r}")
+        raise PolicyError(f"{where}: pattern must be a non-empty string (a Python regex), not {shown(text)}")
     try:
-        return re.compile(text)
+        with time_limit(PATTERN_SECONDS):
+            return re.compile(text)
     except (re.error, OverflowError, RecursionError) as e:     # a{4294967296}; groups nested 500 deep
-        shown = text if len(text) <= 80 else text[:80] + "..."
-        raise PolicyError(f"{where}: bad regex {shown!r}: {e}") from None
+        raise PolicyError(f"{where}: bad regex {shown(text)}: {e}") from None
+    except Overtime:
+        raise PolicyError(f"{where}: regex {shown(text)} takes more than {PATTERN_SECONDS:g} s to compile; "
+                          f"simplify it") from None
+
+
+# A policy's patterns are searched in every tensor name of the model (about 2,000 for the real K3) at plan time.
+# Each pattern's whole search is bounded: one that backtracks exponentially (^(.+)+x$ takes seconds a name, and
+# doubles with each character) is stopped and named. The patterns recipes use (alternation, classes, anchors,
+# \.) search 2,000 names in a few milliseconds.
+PATTERN_SECONDS = 1.0
+
+
+class Overtime(Exception):
+    """A pattern's search ran past PATTERN_SECONDS."""
+
+
+@contextmanager
+def time_limit(seconds: float) -> Iterator[None]:
+    """Raise Overtime in this thread when `seconds` have passed: Python's regex engine checks for signals while
+    it backtracks, so SIGALRM stops it. Only the main thread receives signals; elsewhere this sets no limit."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_alarm(signum, frame):
+        raise Overtime()
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def first_matches(rules: Iterable[Rule], names: list[str]) -> dict[str, Rule | None]:
+    """The first rule whose pattern is found in each name (None: no rule). Each rule is searched only in the names
+    no earlier rule took, all of them within PATTERN_SECONDS, else a PolicyError names it."""
+    found: dict[str, Rule] = {}
+    for rule in rules:
+        todo = [n for n in names if n not in found]
+        try:
+            with time_limit(PATTERN_SECONDS):
+                for n in todo:
+                    if rule.pattern.search(n):
+                        found[n] = rule
+        except Overtime:
+            raise PolicyError(f"{rule.origin}: pattern {shown(rule.pattern.pattern)} did not finish searching "
+                              f"{len(todo):,} tensor names in {PATTERN_SECONDS:g} s: it backtracks exponentially "
+                              f"(a repeat inside a repeat, such as (.+)+); write it without one") from None
+    return {n: found.get(n) for n in names}
 
 
 # ------------------------------------------------------------------------------------
@@ -130,7 +192,7 @@ def load_policy(spec: str | Path) -> Policy:
     """A policy file path, or the name of a shipped preset."""
     path = Path(spec)
     if path.suffix == ".toml" or path.exists() or "/" in str(spec):
-        return parse_policy(_read_text(path, "policy file"), str(path))
+        return replace(parse_policy(_read_text(path, "policy file"), str(path)), inputs=(Input(path, "policy file"),))
     name = str(spec)
     if name not in preset_names():
         raise PolicyError(f"{name}: no such policy file or preset; presets: {', '.join(preset_names())}")
@@ -144,6 +206,10 @@ def parse_policy(text: str, source: str, origin_file: str | None = None) -> Poli
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise PolicyError(f"{origin_file}: TOML syntax error: {e}") from None
+    except RecursionError:          # arrays or inline tables nested hundreds deep
+        line, depth = _deepest(text)
+        raise PolicyError(f"{origin_file}:{line}: arrays or inline tables nested {depth} deep; a policy needs "
+                          f"two levels at most") from None
     lines = _KeyLines(text)
     for k in doc:
         if k not in TOP_KEYS:
@@ -175,11 +241,41 @@ def parse_policy(text: str, source: str, origin_file: str | None = None) -> Poli
 
 def _requirements(value: object, where: str) -> tuple[str, ...]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise PolicyError(f"{where}: requires must be a list of strings such as [\"imatrix\"], not {value!r}")
+        raise PolicyError(f"{where}: requires must be a list of strings such as [\"imatrix\"], not {shown(value)}")
     for v in value:
         if v not in REQUIREMENTS:
             raise PolicyError(f"{where}: unknown requirement {v!r}; expected some of {sorted(REQUIREMENTS)}")
     return tuple(dict.fromkeys(value))
+
+
+def _deepest(text: str) -> tuple[int, int]:
+    """(line, depth) where TOML arrays and inline tables ([ and { outside strings and comments) nest deepest."""
+    depth = best = 0
+    line = best_line = 1
+    quote = ""
+    i = 0
+    while i < len(text):
+        c = text[i]
+        if c == "\n":
+            line += 1
+        if quote:
+            if c == "\\" and quote == '"':
+                i += 1
+            elif c == quote:
+                quote = ""
+        elif c in "\"'":
+            quote = c
+        elif c == "#":
+            while i + 1 < len(text) and text[i + 1] != "\n":
+                i += 1
+        elif c in "[{":
+            depth += 1
+            if depth > best:
+                best, best_line = depth, line
+        elif c in "]}":
+            depth -= 1
+        i += 1
+    return best_line, best
 
 
 class _KeyLines:
