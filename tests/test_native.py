@@ -140,3 +140,109 @@ def test_arrays_of_the_wrong_kind_are_refused_before_the_call(bad, what):
         blocks.block_type(QT.Q8_0)._ref(*bad(x, out))
     with pytest.raises(TypeError, match="takes 2 arrays"):
         blocks.block_type(QT.Q8_0)._ref(x)
+
+
+def test_an_entry_built_for_other_arguments_is_built_again(tmp_path):
+    cache, src = tmp_path / "cache", tmp_path / "src"
+    src.mkdir()
+    (src / "kimi_test_scale.py").write_text(KERNEL_SOURCE.format(factor=2))
+    assert run(CALL, cache, src) == ["[16.0, 18.0, 20.0, 22.0] True []"]
+    [entry] = cache.glob("kimi_test_scale.scale_rows.*.native")
+    head, obj = entry.read_bytes().split(b"\n", 1)
+    header = json.loads(head)
+    assert (header["kinds"], header["arrays"]) == (["f32_2d", "f32_2d"], 2)
+    del header["arrays"]        # as entries were before the grid tables: code for three (pointer, rows, columns)
+    entry.write_bytes(json.dumps(header).encode() + b"\n" + obj)
+    assert run(CALL, cache, src) == ["[16.0, 18.0, 20.0, 22.0] True []"]      # not linked: built again
+    assert json.loads(entry.read_bytes().split(b"\n", 1)[0])["arrays"] == 2
+    assert run(CALL, cache, src) == ["[16.0, 18.0, 20.0, 22.0] False []"]
+
+
+# a kernel that reads a grid type's tables as a quantizer does: per group of 8 levels (x holds 0., 1. or 2.), the
+# point kmap gives, or the first of its neighbour list off the grid; out: that id (2 bytes) and its coordinates'
+# sum (sum(2*level + 1), at most 40)
+GRID_KERNEL_SOURCE = """
+from numba import njit
+
+@njit(nogil=True)
+def snap_rows(x, out, grid, kmap, neighbours):
+    for r in range(x.shape[0]):
+        for g in range(x.shape[1] // 8):
+            u = 0
+            for i in range(8):
+                u |= int(x[r, 8 * g + i]) << 2 * i
+            j = kmap[u]
+            if j < 0:                       # its list [n, ids...] starts at -j - 1
+                j = neighbours[-j - 1 + 1]
+            s = 0
+            for i in range(8):
+                s += grid[j, i]
+            out[r, 3 * g] = j & 255
+            out[r, 3 * g + 1] = j >> 8
+            out[r, 3 * g + 2] = s
+"""
+GRID_CALL = textwrap.dedent("""
+    import sys
+    import numpy as np
+    from gguf import GGMLQuantizationType as QT
+    from kimi_convert import native
+    from kimi_convert.quant.blocks import GRID_TABLES
+    from kimi_convert.quant.kernels.grids import grid_tables
+    k = native.Kernel("kimi_test_snap", "snap_rows", "f32_2d", "u8_2d", *GRID_TABLES)
+    x = np.random.default_rng(6).integers(0, 3, (4, 256)).astype(np.float32)
+    out = np.zeros((4, 96), np.uint8)
+    k(x, out, *grid_tables(QT.IQ2_XS).arrays)
+    print(out.tobytes().hex(), "numba" in sys.modules, native._fallbacks)
+""")
+
+
+def snapped(qtype: QT, x: np.ndarray) -> np.ndarray:
+    """What snap_rows computes, from the tables' Python API."""
+    from kimi_convert.quant.kernels.grids import grid_tables, pack
+    t = grid_tables(qtype)
+    out = np.zeros((x.shape[0], x.shape[1] // 8 * 3), np.uint8)
+    for r in range(x.shape[0]):
+        for g in range(x.shape[1] // 8):
+            u = int(pack(x[r, 8 * g:8 * g + 8].astype(np.int64), 2))
+            j = int(t.kmap[u]) if t.kmap[u] >= 0 else int(t.neighbour_list(u)[0])
+            out[r, 3 * g:3 * g + 3] = j & 255, j >> 8, int(t.grid[j].sum())
+    return out
+
+
+def test_a_kernel_reads_grid_tables_through_its_native_entry(tmp_path):
+    cache, src = tmp_path / "cache", tmp_path / "src"
+    src.mkdir()
+    (src / "kimi_test_snap.py").write_text(GRID_KERNEL_SOURCE)
+    x = np.random.default_rng(6).integers(0, 3, (4, 256)).astype(np.float32)
+    expected = snapped(QT.IQ2_XS, x).tobytes().hex()
+    assert len(set(expected[i:i + 6] for i in range(0, len(expected), 6))) > 50     # many points, on and off
+    assert run(GRID_CALL, cache, src) == [f"{expected} True []"]       # built
+    assert run(GRID_CALL, cache, src) == [f"{expected} False []"]      # linked, numba never imported
+
+
+@pytest.mark.parametrize("linked", [True, False], ids=["native", "dispatcher"])
+def test_a_grid_types_quantize_rows_passes_its_tables(linked, tmp_path, monkeypatch):
+    (tmp_path / "kimi_test_snap.py").write_text(GRID_KERNEL_SOURCE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "kimi_test_snap", raising=False)
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "_fallbacks", [])
+    if not linked:
+        def refuse(k, header, obj):
+            raise native.NativeError("refused by the test")
+        monkeypatch.setattr(native, "_link", refuse)
+    registry = {q: t for q, t in blocks._REGISTRY.items() if q != QT.IQ2_S}
+    monkeypatch.setattr(blocks, "_REGISTRY", registry)      # the class below is registered there only
+
+    class Snap(blocks.GridType, blocks.BlockType, qtype=QT.IQ2_S):
+        mirrors = "snap_rows (a test kernel)"
+        _ref = native.Kernel("kimi_test_snap", "snap_rows", "f32_2d", "u8_2d", *blocks.GRID_TABLES)
+
+    x = np.random.default_rng(7).integers(0, 3, (3, 512)).astype(np.float32)
+    out = np.zeros((3, 192), np.uint8)
+    Snap.quantize_rows(x, None, out)
+    assert out.tobytes() == snapped(QT.IQ2_S, x).tobytes()
+    if linked:
+        assert native._fallbacks == [] and isinstance(Snap._ref._entry, native._entry_type(5))
+    else:
+        assert native._fallbacks == ["kimi_test_snap.snap_rows: refused by the test"]

@@ -23,15 +23,19 @@ from ..native import Kernel
 KERNELS = "kimi_convert.quant.kernels"      # the numba source of the kernels below, a module per family
 
 
-def _rows(family: str, name: str, out: str = "u8_2d") -> Kernel:
-    """A kernel ``name(x, out)`` of ``kernels.<family>``: float32 rows [n_rows, n_per_row] -> their bytes
-    (``out``) [n_rows, row bytes]."""
-    return Kernel(f"{KERNELS}.{family}", name, "f32_2d", out)
+# the kinds of a grid type's tables, the arguments its kernels take last: grids.GridTables.arrays
+GRID_TABLES = ("i8_2d", "i32_1d", "u16_1d")     # grid, kmap, neighbours
 
 
-def _weighted(family: str, name: str) -> Kernel:
-    """A kernel ``name(x, qw, out)``: as _rows, with float32 importance weights [n_per_row]."""
-    return Kernel(f"{KERNELS}.{family}", name, "f32_2d", "f32_1d", "u8_2d")
+def _rows(family: str, name: str, out: str = "u8_2d", tables: tuple[str, ...] = ()) -> Kernel:
+    """A kernel ``name(x, out, *tables)`` of ``kernels.<family>``: float32 rows [n_rows, n_per_row] -> their
+    bytes (``out``) [n_rows, row bytes], reading the type's ``tables`` (BlockType.tables)."""
+    return Kernel(f"{KERNELS}.{family}", name, "f32_2d", out, *tables)
+
+
+def _weighted(family: str, name: str, tables: tuple[str, ...] = ()) -> Kernel:
+    """A kernel ``name(x, qw, out, *tables)``: as _rows, with float32 importance weights [n_per_row]."""
+    return Kernel(f"{KERNELS}.{family}", name, "f32_2d", "f32_1d", "u8_2d", *tables)
 
 
 _BF16_TO_F32 = Kernel(f"{KERNELS}.legacy", "bf16_to_f32_rows", "u16_2d", "u32_2d")
@@ -71,13 +75,19 @@ class BlockType:
         return cls._impl if weighted and cls._impl is not None else cls._ref
 
     @classmethod
+    def tables(cls) -> tuple[np.ndarray, ...]:
+        """The read-only arrays this type's kernels take after their data, in their kinds' order (a grid type:
+        its grid, kmap and neighbour lists, built on first use); none for most types."""
+        return ()
+
+    @classmethod
     def quantize_rows(cls, x: np.ndarray, imatrix: np.ndarray | None, out: np.ndarray) -> None:
         """x: float32 [n_rows, n_per_row], C-contiguous, n_per_row a multiple of block_size (checked by the
         caller) -> its bytes into ``out`` [n_rows, row_size], on this thread (the kernels drop the GIL)."""
         if imatrix is not None and cls._impl is not None:
-            cls._impl(x, imatrix, out)
+            cls._impl(x, imatrix, out, *cls.tables())
         else:
-            cls._ref(x, cls._out_view(out))
+            cls._ref(x, cls._out_view(out), *cls.tables())
 
     @classmethod
     def _out_view(cls, out: np.ndarray) -> np.ndarray:
@@ -88,6 +98,18 @@ class BlockType:
         """Stored rows (block bytes, or values) -> float32 [n_rows, n_per_row], as ggml's to_float; into
         ``buf`` where the type can (gguf-py's dequantizers, equal to ggml's, allocate their own)."""
         return np.asarray(_gguf_quants.dequantize(data, cls.qtype), dtype=np.float32)
+
+
+class GridType:
+    """Mixin of the grid i-quants (IQ1_S ... IQ3_S: ``class IQ2_XXS(GridType, BlockType, qtype=...)``): their
+    kernels take the type's grid tables (kernels/grids.py: grid, kmap, neighbours) after their data, declared
+    as ``_rows(..., tables=GRID_TABLES)`` / ``_weighted(..., tables=GRID_TABLES)``."""
+    qtype: ClassVar[QT]
+
+    @classmethod
+    def tables(cls) -> tuple[np.ndarray, ...]:
+        from .kernels import grids      # noqa: PLC0415  (NumPy only; built on first use, then memoized)
+        return grids.grid_tables(cls.qtype).arrays
 
 
 @lru_cache(maxsize=None)
@@ -343,10 +365,13 @@ def kernels_for(pairs: Iterable[tuple[QT, QT, bool]]) -> list[Kernel]:
 
 def load_kernels(pairs: Iterable[tuple[QT, QT, bool]]) -> None:
     """Load the kernels of these (source, target, with imatrix) conversions now (native: ~0.05 s, or a build on
-    a cache miss), then freeze the objects made so far: the cyclic collector would otherwise scan them at
-    every full collection and again at exit."""
+    a cache miss) and build the grid types' tables (0.2 s for all six), then freeze the objects made so far:
+    the cyclic collector would otherwise scan them at every full collection and again at exit."""
+    pairs = list(pairs)
     for k in kernels_for(pairs):
         k.load()
+    for _, target, _ in pairs:
+        block_type(target).tables()         # a grid type's tables: built once, before the threads need them
     gc.freeze()
 
 

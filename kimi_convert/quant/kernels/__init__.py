@@ -3,7 +3,10 @@
 Every ``<type>_rows(x, [qw,] out)`` fills ``out[r]`` with the bytes ggml writes for row ``x[r]``
 (float32 [n_rows, n_per_row] -> uint8 [n_rows, row bytes]; ``qw`` the importance weights of the columns).
 The kernels release the GIL (``nogil``); ``blocks`` runs row ranges on threads. One module per family
-(``legacy``, ``kquants``, ``iq4``, ...), over the helpers of ``common``. numba's cache is keyed on the file that
+(``legacy``, ``kquants``, ``iq4``, ...), over the helpers of ``common``. ``grids`` (NumPy, no numba) builds the
+grid i-quants' tables (grid, kmap, neighbour lists), which their kernels take as arguments after their data
+(``blocks.GridType``, ``blocks.GRID_TABLES``) and never import: numba would bake a global array into the
+compiled code as a constant. numba's cache is keyed on the file that
 defines a function, not on the files of the helpers it inlines, so an edit to ``common`` would leave stale
 compiled callers: ``_drop_stale_cache`` below empties this package's numba cache when any of its sources
 changed (an installed package never changes; this is for the working tree). The native entries (``native``)
