@@ -26,4 +26,4 @@ def test_a_hundred_campaign_runs_are_all_clean(tmp_path):
     assert r.returncode == 0
     # every fault class was drawn at least once
     assert set(summary["by_class"]) >= {"valid", "safetensors header", "config", "checkpoint", "gguf", "options",
-                                        "signal"}, summary["by_class"]
+                                        "signal", "overlap"}, summary["by_class"]
