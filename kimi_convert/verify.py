@@ -46,14 +46,13 @@ from typing import Any, Callable, Iterator
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGUFValueType
 from gguf import GGMLQuantizationType as QT
-from gguf.quants import dequantize
 
 from . import mxfp4
 from .checkpoint import NUMPY_DTYPE, Checkpoint, SourceTensor, bf16_to_f32, f32_to_bf16, to_f32
 from .convert import OUTTYPES, ssm_a
 from .constants import INDEXER_MATRIX_TYPES, Key, T, key
 from .errors import KimiError
-from .gguf_io import GGUFFile, GGUFTensor, gguf_parts, open_gguf, read_gguf, same_shape
+from .gguf_io import GGUFFile, GGUFTensor, dequantize, gguf_parts, open_gguf, read_gguf, same_shape
 from .model import KimiConfig
 from .quant.driver import imatrix_vectors, quantize_rows, row_chunks
 from .quant.plan import Decision, QuantPlan
