@@ -17,7 +17,8 @@ Two targets, named after the builds the interop tests run:
     otherwise, and in `mul_mat_id`, `ggml_vec_dot_*` (vec.cpp): 4x8 lanes over 32-wide steps,
     ((c1+c3)+(c2+c4)), an 8-lane sum, and the K % 32 tail in double (bf16, f16) or in f32 FMAs (f32);
   - quantized weights: which kernel runs depends on the type, on whether llama.cpp repacked the tensor
-    (`is_repacked`) and on the number of rows (`quantized_path`); the kernels are in kimi_convert/ggml_cpu_quant.py.
+    (`is_repacked`) and on the number of rows (`quantized_path`); the kernels are in kimi_convert/ggml_cpu_quant.py,
+    and those of the low-bit types (IQ1_*, IQ2_*, IQ3_*, TQ1_0, TQ2_0, Q1_0, NVFP4) in kimi_convert/ggml_cpu_lowbit.py.
 
   A bf16 x bf16 or fp16 x fp16 product is exact in f32, so FMA and multiply-add agree there; every other FMA is
   computed exactly (float64 product, correctly rounded sum: ggml_cpu_quant.add).
@@ -26,7 +27,8 @@ Two targets, named after the builds the interop tests run:
   is a vec_dot per output. The activation is converted with the reference Q8_0 (1/d, roundf), Q8_K and bf16
   rules; an F16 weight multiplies the f32 activation unrounded (its vec_dot is ggml_vec_dot_f16_f32). The kernels
   of F32, F16 (K < 64), BF16, the 32-blocks, Q5_1, Q2_K and IQ4_XS are emulated from the shipped wllama.wasm
-  (ggml_cpu_quant.wasm_*); Q3_K..Q6_K's SIMD128 kernels are not: their products are float64, rounded once.
+  (ggml_cpu_quant.wasm_*); Q3_K..Q6_K's SIMD128 kernels and the low-bit types' kernels are not: their products
+  are float64, rounded once.
 
 Cost: T x M x K products per matmul, computed in row chunks -- meant for fixture-sized files.
 """

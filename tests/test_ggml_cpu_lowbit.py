@@ -1,13 +1,11 @@
 """kimi_convert.ggml_cpu_lowbit against the pinned x86-64-v3 build's own code (docs/verification.md §8.4): the
 low-bit types' dequantization against ggml's dequantize_row_*, their products against ggml's vec_dot and its CPU
-graph's mul_mat (tiled for the grid i-quants with >= 8 rows), bit for bit. The weights are quantized by ggml
-itself (ggml_quantize_chunk, with an imatrix where ggml requires one), from four kinds of rows: wide-range values,
-a bf16 checkpoint's, dequantized MXFP4 blocks, and sparse rows with all-zero blocks, at widths 256 to 7168. These
-fail, not skip, when llama-cpp-python is missing.
+graph's mul_mat (tiled for the grid i-quants with >= 8 rows), bit for bit (-0 is not +0). The weights are
+quantized by ggml itself (ggml_quantize_chunk, with an imatrix where ggml requires one), from four kinds of rows:
+wide-range values, a bf16 checkpoint's, dequantized MXFP4 blocks, and sparse rows with all-zero blocks, at widths
+256 to 7168. These fail, not skip, when llama-cpp-python is missing.
 """
 from __future__ import annotations
-
-import ctypes
 
 import numpy as np
 import pytest
@@ -18,13 +16,13 @@ from kimi_convert import ggml_cpu
 from kimi_convert import ggml_cpu_lowbit as lowbit
 from kimi_convert.gguf_io import dequantize
 from kimi_convert.interop import ggml_cpu_kernels as ggml
-from kimi_convert.interop.ggml_quants import _lib, ggml_dequantize, ggml_quantize
+from kimi_convert.interop.ggml_quants import ggml_dequantize, ggml_quantize, ggml_quantize_requires_imatrix
 
 F32 = np.float32
 X86 = ggml_cpu.X86_AVX2
 M_ROWS = 16                          # one tiled microtile of weight rows
 N_TOK = 20                           # > 16: the tiled kernel's wide path; its first 8 / 1 rows the narrow one
-WIDTHS = {"wide": 768, "sparse": 1280, "mxfp4": 2048, "bf16": 7168}
+WIDTHS = {"wide": 256, "sparse": 1280, "mxfp4": 2048, "bf16": 7168}
 
 
 def _wide(rng, shape) -> np.ndarray:
@@ -46,10 +44,9 @@ def _rows(kind: str, rng, k: int) -> np.ndarray:
     return w.astype(F32)
 
 
-def _needs_imatrix(qtype: QT) -> bool:
-    lib = _lib()
-    lib.ggml_quantize_requires_imatrix.restype = ctypes.c_bool
-    return bool(lib.ggml_quantize_requires_imatrix(int(qtype)))
+def bit_equal(a: np.ndarray, b: np.ndarray) -> bool:
+    """The same float32 bits (-0 is not +0)."""
+    return np.array_equal(np.asarray(a, F32).view(np.uint32), np.asarray(b, F32).view(np.uint32))
 
 
 CASES = [(t, kind) for t in lowbit.LOWBIT_TYPES for kind in WIDTHS]
@@ -61,15 +58,14 @@ def case(request):
     qtype, kind = request.param
     k = WIDTHS[kind]
     rng = np.random.default_rng([int(qtype), k])
-    imatrix = rng.uniform(0.1, 2.0, k).astype(F32) if _needs_imatrix(qtype) else None
+    imatrix = rng.uniform(0.1, 2.0, k).astype(F32) if ggml_quantize_requires_imatrix(qtype) else None
     raw = ggml_quantize(_rows(kind, rng, k), qtype, imatrix)
     return qtype, kind, raw, _wide(rng, (N_TOK, k))
 
 
 def test_dequantize_is_ggmls(case):
     qtype, _, raw, x = case
-    ours = dequantize(raw, qtype).reshape(M_ROWS, -1)
-    assert np.array_equal(ours.view(np.uint32), ggml_dequantize(raw, qtype, x.shape[1]).view(np.uint32))
+    assert bit_equal(dequantize(raw, qtype).reshape(M_ROWS, -1), ggml_dequantize(raw, qtype, x.shape[1]))
 
 
 def test_vec_dot_is_ggmls(case):
@@ -79,7 +75,7 @@ def test_vec_dot_is_ggmls(case):
     x = x[:3]
     theirs = np.array([[ggml.vec_dot(raw[m], qtype, row) for m in range(M_ROWS)] for row in x], F32)
     ours = ggml_cpu.mul_mat_id(x, w, X86, expert_rows=1)
-    assert np.array_equal(ours, theirs), np.abs(ours - theirs).max()
+    assert bit_equal(ours, theirs), np.abs(ours - theirs).max()
     if kind == "wide":                    # the same rounded inputs in another order give other bits
         exact = ggml_cpu.vec_dot_input(x, qtype, X86).astype(np.float64) @ w.values().astype(np.float64).T
         assert not np.array_equal(ours, exact.astype(F32))
@@ -93,7 +89,7 @@ def test_mul_mat_is_ggmls(case, n_tok):
     w = ggml_cpu.WeightRows(qtype, raw, x.shape[1])
     ours = ggml_cpu.mul_mat(x[:n_tok], w, X86)
     theirs = ggml.mul_mat(raw, qtype, x[:n_tok])
-    assert np.array_equal(ours, theirs), (ggml_cpu.quantized_path(w, n_tok, ggml_cpu.MUL_MAT),
+    assert bit_equal(ours, theirs), (ggml_cpu.quantized_path(w, n_tok, ggml_cpu.MUL_MAT),
                                           np.abs(ours - theirs).max())
 
 
