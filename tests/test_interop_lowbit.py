@@ -6,7 +6,9 @@ llama_model_quantize with an imatrix to its stock IQ2_XXS and IQ1_M mixtures (IQ
 token_embd and first ffn_down, Q4_K attn_v, Q5_K output, IQ4_NL / F16 shape fallbacks). Bounds as tests/test_interop_quantized.py (docs/verification.md §8.4): every f32 matmul input within
 1e-5 of llama.cpp's, tie breaks adopted, then logits within 1e-4 at every position and bit for bit at half of them
 at least. kimi-verify must pass both files, alone and against the checkpoint, and say that the IQ tensors were
-not recomputed (no quantizer for those types here yet): not checked, never a pass.
+not recomputed (no quantizer for those types here yet): not checked, never a pass. A third file holds MXFP4 made
+from float wherever llama-quantize puts a type (token_embd, output, every matrix, the experts), to show that the
+runtime runs MXFP4 everywhere, not only as the checkpoint's experts.
 """
 from __future__ import annotations
 
@@ -47,6 +49,8 @@ def lowbit(tmp_path_factory):
     vectors = {n: v for n in im.names if (v := im.vector(n, gf.tensors[n].shape)) is not None}
     files = {name: llama_quantize(src, d / f"k3-{name}.gguf", getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{name}"),
                                   pure=False, imatrix=vectors) for name in MIXTURES}
+    files["MXFP4"] = llama_quantize(src, d / "k3-MXFP4.gguf", llama_cpp.LLAMA_FTYPE_MOSTLY_MXFP4_MOE, pure=False,
+                                    tensor_types=[(".*", int(QT.MXFP4))])
     return hf, imatrix, files
 
 
@@ -67,6 +71,18 @@ def test_llama_cpp_lowbit_matches_emulation(lowbit, name):
           f"{ties.count('scale')} scale tie breaks in {ties.n_rounded} rounded inputs; per position: {table(delta)}")
     plain = np.abs(Runtime(path).logits(PROMPT) - theirs.logits).max(1)     # without the emulation: whole units
     assert np.median(plain) > 100 * ROUNDED_BOUND
+
+
+def test_llama_cpp_mxfp4_from_float_everywhere(lowbit):
+    """MXFP4 as token_embd (get_rows), as 2-D weights repacked (ne[1] % 8 = 0) and not (ssm_beta's 4 rows: the
+    paired vec_dot for every row count), as output and as experts made from BF16: bit for bit at every position."""
+    path = lowbit[2]["MXFP4"]
+    tensors = open_gguf(path).tensors
+    mxfp4 = {n for n, t in tensors.items() if t.qtype == QT.MXFP4}
+    assert {"token_embd.weight", "output.weight", "blk.0.ssm_beta.weight", "blk.1.ffn_up_exps.weight"} <= mxfp4
+    theirs, rt, _, delta = compare_with_tie_breaks(path, PROMPT)
+    assert theirs.repacked == repacked_here(rt, theirs.inputs) and "blk.0.ssm_beta.weight" not in theirs.repacked
+    assert np.all(delta == 0), table(delta)
 
 
 def test_llama_cpp_lowbit_short_batch(lowbit):
