@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf import quants as gguf_quants
 
 from . import ggml_cpu_quant as gq
-from .ggml_cpu_quant import F32, I64, QK, KBlocks, add, fma, hsum8, mul, to_f32
+from .ggml_cpu_quant import F32, I64, QK, KBlocks, fma, hsum8, mul, to_f32
 
 GRID_TYPES = (QT.IQ2_XXS, QT.IQ2_XS, QT.IQ2_S, QT.IQ3_XXS, QT.IQ3_S, QT.IQ1_S, QT.IQ1_M)   # tiled / vec_dot
 TERNARY_TYPES = (QT.TQ1_0, QT.TQ2_0)

@@ -3,9 +3,9 @@ kimi-verify (issue 17 §4).
 
 One K3 fixture (BF16 experts, rows multiples of 256), converted to BF16 and quantized by llama.cpp's own
 llama_model_quantize with an imatrix to its stock IQ2_XXS and IQ1_M mixtures (IQ2_XXS / IQ1_M matrices, Q2_K
-token_embd and first ffn_down, Q4_K attn_v, Q5_K output, IQ4_NL / F16 shape fallbacks). Bounds as tests/test_interop_quantized.py (docs/verification.md §8.4): every f32 matmul input within
-1e-5 of llama.cpp's, tie breaks adopted, then logits within 1e-4 at every position and bit for bit at half of them
-at least. kimi-verify must pass both files, alone and against the checkpoint, and say that the IQ tensors were
+token_embd and first ffn_down, Q4_K attn_v, Q5_K output, IQ4_NL / F16 shape fallbacks). Bounds as
+tests/test_interop_quantized.py (docs/verification.md §8.4): every f32 matmul input within 1e-5 of llama.cpp's,
+tie breaks adopted, then logits within 1e-4 at every position and bit for bit at half of them at least. kimi-verify must pass both files, alone and against the checkpoint, and say that the IQ tensors were
 not recomputed (no quantizer for those types here yet): not checked, never a pass. A third file holds MXFP4 made
 from float wherever llama-quantize puts a type (token_embd, output, every matrix, the experts), to show that the
 runtime runs MXFP4 everywhere, not only as the checkpoint's experts.
