@@ -33,7 +33,8 @@ LOWBIT_TYPES = Q8_K_TYPES + Q8_0_TYPES
 GRID_FACTOR = {QT.IQ2_XXS: 0.125, QT.IQ2_XS: 0.125, QT.IQ2_S: 0.125, QT.IQ3_XXS: 0.25, QT.IQ3_S: 1.0,
                QT.IQ1_S: 0.125, QT.IQ1_M: 0.125}
 IQ1_DELTA = 0.125                  # IQ1S_DELTA = IQ1M_DELTA
-Q1_0_BLOCK, NVFP4_BLOCK, NVFP4_SUB = 128, 64, 16
+Q1_0_BLOCK, NVFP4_BLOCK = GGML_QUANT_SIZES[QT.Q1_0][0], GGML_QUANT_SIZES[QT.NVFP4][0]
+assert Q1_0_BLOCK == 4 * QK and NVFP4_BLOCK == 2 * QK       # the Q8_0 blocks their kernels walk per block
 TQ1_POW3 = np.array([1, 3, 9, 27, 81], I64)
 
 
@@ -379,5 +380,3 @@ def vec_dot(x: np.ndarray, qtype: QT, blocks) -> np.ndarray:
         return vec_dot_ternary(x, blocks)
     return vec_dot_q1_0(x, blocks) if qtype == QT.Q1_0 else vec_dot_nvfp4(x, blocks)
 
-
-assert QK * 4 == Q1_0_BLOCK and QK * 2 == NVFP4_BLOCK       # the Q8_0 blocks the two kernels walk
