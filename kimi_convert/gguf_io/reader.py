@@ -35,7 +35,6 @@ from gguf import GGMLQuantizationType as QT
 from gguf import quants as gguf_quants
 
 from ..errors import CheckpointError
-from ..ggml_cpu_lowbit import dequantize_q1_0
 from ..gcutil import gc_paused        # full collections over 500k new objects find nothing
 from .writer import COPY_CHUNK, FileRange, tensor_nbytes
 
@@ -103,6 +102,7 @@ def dequantize(raw: np.ndarray, qtype: QT) -> np.ndarray:
     """ggml's to_float (dequantize_row_<type>) of raw blocks [..., row bytes]: gguf.quants, bit for bit with ggml
     for every type it has (tests/test_ggml_cpu.py), and Q1_0, which it lacks, from ggml_cpu_lowbit."""
     if qtype == QT.Q1_0:
+        from ..ggml_cpu_lowbit import dequantize_q1_0  # noqa: PLC0415 (its grid tables, on first use: 0.1 s)
         return dequantize_q1_0(raw)
     return gguf_quants.dequantize(raw, qtype)
 
