@@ -67,6 +67,10 @@ def test_llama_cpp_lowbit_matches_emulation(lowbit, name):
     assert theirs.repacked == repacked_here(rt, theirs.inputs)        # here: the Q4_K attn_v only
     assert delta.max() <= ROUNDED_BOUND, table(delta)
     assert np.count_nonzero(delta == 0) >= len(PROMPT) // 2, table(delta)
+    # the grid-typed experts ran both mul_mat_id kernels: tiled (>= 8 rows to an expert) and vec_dot (fewer)
+    rows = np.concatenate([np.bincount(sel.ravel(), minlength=rt.cfg.n_expert)
+                           for sel in rt.routing_margins.experts.values()])
+    assert (rows >= 8).any() and ((rows > 0) & (rows < 8)).any(), rows
     print(f"{path.name} ({'/'.join(sorted(t.name for t in types_of(path)))}): {ties.count('code')} code and "
           f"{ties.count('scale')} scale tie breaks in {ties.n_rounded} rounded inputs; per position: {table(delta)}")
     plain = np.abs(Runtime(path).logits(PROMPT) - theirs.logits).max(1)     # without the emulation: whole units
