@@ -17,7 +17,8 @@ Two targets, named after the builds the interop tests run:
     otherwise, and in `mul_mat_id`, `ggml_vec_dot_*` (vec.cpp): 4x8 lanes over 32-wide steps,
     ((c1+c3)+(c2+c4)), an 8-lane sum, and the K % 32 tail in double (bf16, f16) or in f32 FMAs (f32);
   - quantized weights: which kernel runs depends on the type, on whether llama.cpp repacked the tensor
-    (`is_repacked`) and on the number of rows (`quantized_path`); the kernels are in kimi_convert/ggml_cpu_quant.py.
+    (`is_repacked`) and on the number of rows (`quantized_path`); the kernels are in kimi_convert/ggml_cpu_quant.py,
+    and those of the low-bit types (IQ1_*, IQ2_*, IQ3_*, TQ1_0, TQ2_0, Q1_0, NVFP4) in kimi_convert/ggml_cpu_lowbit.py.
 
   A bf16 x bf16 or fp16 x fp16 product is exact in f32, so FMA and multiply-add agree there; every other FMA is
   computed exactly (float64 product, correctly rounded sum: ggml_cpu_quant.add).
@@ -26,7 +27,8 @@ Two targets, named after the builds the interop tests run:
   is a vec_dot per output. The activation is converted with the reference Q8_0 (1/d, roundf), Q8_K and bf16
   rules; an F16 weight multiplies the f32 activation unrounded (its vec_dot is ggml_vec_dot_f16_f32). The kernels
   of F32, F16 (K < 64), BF16, the 32-blocks, Q5_1, Q2_K and IQ4_XS are emulated from the shipped wllama.wasm
-  (ggml_cpu_quant.wasm_*); Q3_K..Q6_K's SIMD128 kernels are not: their products are float64, rounded once.
+  (ggml_cpu_quant.wasm_*); Q3_K..Q6_K's SIMD128 kernels and the low-bit types' kernels are not: their products
+  are float64, rounded once.
 
 Cost: T x M x K products per matmul, computed in row chunks -- meant for fixture-sized files.
 """
@@ -36,10 +38,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from gguf import GGMLQuantizationType as QT
-from gguf.quants import dequantize
 
+from . import ggml_cpu_lowbit as lowbit
 from . import ggml_cpu_quant as gq
 from .checkpoint import bf16_to_f32, f32_to_bf16
+from .gguf_io import dequantize
 from .ggml_cpu_quant import WASM, X86_AVX2
 
 F32, F64 = np.float32, np.float64
@@ -52,11 +55,12 @@ VEC_DOT_STEP = 32          # GGML_F32_STEP / the bf16 loop: 4 registers of 8 lan
 PRODUCT_CHUNK = 1 << 22    # elements of T x M_chunk x K held at a time
 
 FLOAT_TYPES = (QT.F32, QT.BF16, QT.F16)
-_Q8_0_DOT = {QT.Q4_0, QT.Q5_0, QT.Q8_0, QT.MXFP4, QT.IQ4_NL}
+_Q8_0_DOT = {QT.Q4_0, QT.Q5_0, QT.Q8_0, QT.MXFP4, QT.IQ4_NL, *lowbit.Q8_0_TYPES}
 _Q8_1_DOT = {QT.Q4_1, QT.Q5_1}           # Q8_1: the Q8_0 codes and scale, plus s = d * sum(q)
-_Q8_K_DOT = {QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_XS, QT.IQ2_XXS, QT.IQ2_XS,
-             QT.IQ2_S, QT.IQ3_XXS, QT.IQ3_S, QT.IQ1_S, QT.IQ1_M}
+_Q8_K_DOT = {QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_XS, *lowbit.Q8_K_TYPES}
 MUL_MAT, MUL_MAT_ID = "mul_mat", "mul_mat_id"
+TILED_TYPES = (*gq.KQUANTS, *lowbit.GRID_TYPES)                    # tiled/tiled.cpp ggml_tiled_supported
+VEC_DOT_ONLY_TYPES = (QT.Q5_1, QT.MXFP4, *lowbit.TERNARY_TYPES, *lowbit.Q8_0_TYPES)   # no tinyBLAS, tiled, repack
 
 
 # ------------------------------------------------------------------------------------
@@ -93,9 +97,15 @@ class WeightRows:
         return self._values
 
     def blocks(self):
-        """The integer codes and scales (K-quants: ggml_cpu_quant.KBlocks; Q5_1: decode_q5_1), decoded once."""
+        """The integer codes and scales (K-quants: ggml_cpu_quant.KBlocks; Q5_1: decode_q5_1; the low-bit types:
+        ggml_cpu_lowbit.decode), decoded once."""
         if self._blocks is None:
-            self._blocks = gq.decode_q5_1(self.raw) if self.qtype == QT.Q5_1 else gq.decode_k(self.raw, self.qtype)
+            if self.qtype in lowbit.LOWBIT_TYPES:
+                self._blocks = lowbit.decode(self.raw, self.qtype)
+            elif self.qtype == QT.Q5_1:
+                self._blocks = gq.decode_q5_1(self.raw)
+            else:
+                self._blocks = gq.decode_k(self.raw, self.qtype)
         return self._blocks
 
 
@@ -249,16 +259,17 @@ def quantized_path(w: WeightRows, n_rows: int, op: str) -> str:
 
     - repacked (Q4_0, IQ4_NL, MXFP4, Q4_K with ne[1] % 8 == 0): "gemm" for the first T - T % 4 rows of a mul_mat
       with T > 3, "gemv" for the others and for every mul_mat_id row;
-    - K-quants otherwise: "tiled" with >= 8 rows (tiled/tiled.cpp, also per expert in mul_mat_id), else "vec_dot";
+    - K-quants and the grid i-quants (IQ1_*, IQ2_*, IQ3_*) otherwise: "tiled" with >= 8 rows (tiled/tiled.cpp,
+      also per expert in mul_mat_id), else "vec_dot";
     - Q4_0 / Q5_0 / Q8_0 / IQ4_NL otherwise: "tinyblas" (tinyBLAS_Q0_AVX) for a mul_mat with >= 2 rows, else
-      "vec_dot"; Q5_1 and MXFP4: "vec_dot" always."""
+      "vec_dot"; Q5_1, MXFP4, TQ1_0, TQ2_0, Q1_0 and NVFP4: "vec_dot" always."""
     if w.repacked:
         return "gemm" if op == MUL_MAT and n_rows > 3 else "gemv"
-    if w.qtype in gq.KQUANTS:
+    if w.qtype in TILED_TYPES:
         return "tiled" if n_rows >= gq.TILED_MIN_ROWS else "vec_dot"
     if w.qtype in gq.Q0_TYPES and op == MUL_MAT and n_rows >= 2:
         return "tinyblas"
-    if w.qtype in gq.Q0_TYPES or w.qtype in (QT.Q5_1, QT.MXFP4):
+    if w.qtype in gq.Q0_TYPES or w.qtype in VEC_DOT_ONLY_TYPES:
         return "vec_dot"
     # Q4_1 is the one type kimi-quantize can write whose x86 kernels are not emulated (docs/verification.md §8.4)
     raise ValueError(f"llama_cpp_rounding: ggml's x86 product for {w.qtype.name} weights is not emulated")
@@ -270,6 +281,8 @@ def _quantized(x: np.ndarray, w: WeightRows, path: str) -> np.ndarray:
         if t == QT.Q4_K:
             return gq.repacked_q4_k(x, w.blocks(), gemm=path == "gemm")
         return gq.repacked_q4_b32(x, w.values(), X86_AVX2)
+    if t in lowbit.LOWBIT_TYPES:
+        return lowbit.tiled_grid(x, w.blocks()) if path == "tiled" else lowbit.vec_dot(x, t, w.blocks())
     if path == "tiled":
         return gq.tiled(x, w.blocks())
     if t in gq.KQUANTS:

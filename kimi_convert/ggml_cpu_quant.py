@@ -326,7 +326,7 @@ def _sub_dots(kb: KBlocks, qx: np.ndarray) -> np.ndarray:
     return np.einsum("mbse,tbse->tmbs", w, a)
 
 
-def _bsums(qx: np.ndarray, width: int) -> np.ndarray:
+def bsums(qx: np.ndarray, width: int) -> np.ndarray:
     """[T, nb, 256 / width]: sums of the activation codes over `width` elements (Q8_K's bsums are 16-wide)."""
     return qx.reshape(*qx.shape[:2], -1, width).sum(-1)
 
@@ -335,11 +335,11 @@ def _s1_s2(kb: KBlocks, qx: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
     """Per 256-block: s1 = sum_s scale_s (q - offset) . y and s2 = sum_s min_s bsum_s (exact integers)."""
     dots = _sub_dots(kb, qx)
     if kb.offset:
-        dots = dots - kb.offset * _bsums(qx, kb.sub)[:, None]
+        dots = dots - kb.offset * bsums(qx, kb.sub)[:, None]
     s1 = (dots * kb.scale[None].astype(F64)).sum(-1)
     s2 = None
     if kb.minimum is not None:
-        s2 = (_bsums(qx, kb.sub)[:, None] * kb.minimum[None].astype(F64)).sum(-1)
+        s2 = (bsums(qx, kb.sub)[:, None] * kb.minimum[None].astype(F64)).sum(-1)
     return s1, s2
 
 
@@ -357,7 +357,7 @@ def tiled(x: np.ndarray, kb: KBlocks) -> np.ndarray:
     return buf
 
 
-def _lane_ints(kb: KBlocks, qx: np.ndarray) -> np.ndarray:
+def lane_ints(kb: KBlocks, qx: np.ndarray) -> np.ndarray:
     """[T, M, nb, 8] the 8 int32 lanes of the AVX2 K-quant vec_dots: lane p holds elements 4p..4p+3 of every
     32-element chunk, each times its sub-block scale."""
     w = kb.q.reshape(*kb.q.shape[:2], 8, 8, 4).astype(F64)
@@ -374,9 +374,9 @@ def vec_dot_k(x: np.ndarray, kb: KBlocks) -> np.ndarray:
     """ggml_vec_dot_<type>_q8_K, AVX2, per 256-block: d = f32(y.d * x.d) (and dmin = -f32(y.d * x.dmin)),
     acc_p = fma(d, f32(lane_p), acc_p); then hsum8, plus the type's extra min accumulator."""
     qx, dx = quantize_q8_k(x)
-    lanes = _lane_ints(kb, qx)
+    lanes = lane_ints(kb, qx)
     if kb.offset:                                                       # Q6_K: - 32 (bsum16[2p] sc[2p] + ...)
-        pairs = (_bsums(qx, 16)[:, None] * kb.scale[None].astype(F64)).reshape(*lanes.shape[:3], 8, 2).sum(-1)
+        pairs = (bsums(qx, 16)[:, None] * kb.scale[None].astype(F64)).reshape(*lanes.shape[:3], 8, 2).sum(-1)
         lanes = lanes - kb.offset * pairs
     n_tok, n_rows, nb = lanes.shape[:3]
     acc = np.zeros((n_tok, n_rows, 8), F32)
@@ -386,8 +386,8 @@ def vec_dot_k(x: np.ndarray, kb: KBlocks) -> np.ndarray:
         d = mul(dx[:, None, b], kb.d[None, :, b])[..., None]
         if kb.minimum is not None:
             dmin = -mul(dx[:, None, b], kb.dmin[None, :, b])
-            mins = _bsums(qx, 16)[:, None, b] * kb.minimum[None, :, b].astype(F64) if kb.sub == 16 else \
-                _bsums(qx, 32)[:, None, b] * kb.minimum[None, :, b].astype(F64)
+            mins = bsums(qx, 16)[:, None, b] * kb.minimum[None, :, b].astype(F64) if kb.sub == 16 else \
+                bsums(qx, 32)[:, None, b] * kb.minimum[None, :, b].astype(F64)
             if kb.qtype == QT.Q2_K:                     # 8 lanes: m[2p] bsum[2p] + m[2p+1] bsum[2p+1], same acc
                 acc = fma(dmin[..., None], to_f32(mins.reshape(n_tok, n_rows, 8, 2).sum(-1)), acc)
             elif kb.qtype == QT.Q4_K:                   # 4 lanes of a second accumulator
@@ -409,7 +409,7 @@ def repacked_q4_k(x: np.ndarray, kb: KBlocks, gemm: bool) -> np.ndarray:
     result acc - accm."""
     qx, dx = quantize_q8_k(x)
     dots = _sub_dots(kb, qx) * kb.scale[None].astype(F64)               # [T, M, nb, 8]
-    mins = _bsums(qx, 32)[:, None] * kb.minimum[None].astype(F64)
+    mins = bsums(qx, 32)[:, None] * kb.minimum[None].astype(F64)
     group = 2 if gemm else 8
     n_tok, n_rows, nb = dots.shape[:3]
     dots = dots.reshape(n_tok, n_rows, nb, -1, group).sum(-1)

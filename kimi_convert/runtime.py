@@ -25,12 +25,11 @@ from pathlib import Path
 from typing import Protocol
 
 import numpy as np
-from gguf.quants import dequantize
 
 from . import ggml_cpu
 from .constants import T, tname
 from .errors import CheckpointError
-from .gguf_io import GGUFFile, open_gguf
+from .gguf_io import GGUFFile, dequantize, open_gguf
 from .model import KimiConfig
 from .tensor_map import gguf_tensors
 

@@ -6,7 +6,8 @@ With the HF checkpoint (`verify(gguf, hf_dir)`), seven parts, each pass/fail wit
   tensors     every GGUF tensor against its HF source through the plan's transform:
               bit-exact for float and MXFP4 tensors; a quantized one must be, byte for byte,
               our quantization (quant.blocks, with the imatrix) of the values the converter
-              writes; nothing missing, nothing extra
+              writes (a type without a quantizer here is not checked, n/a with the reason, and
+              listed in the report's notes); nothing missing, nothing extra
   metadata    every architecture key (value and GGUF type) against
               KimiConfig.gguf_metadata() of the checkpoint's config, plus the vocabulary
   logits      runtime (GGUF) vs reference (HF) on a fixed token sequence: max |diff|,
@@ -46,14 +47,13 @@ from typing import Any, Callable, Iterator
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGUFValueType
 from gguf import GGMLQuantizationType as QT
-from gguf.quants import dequantize
 
 from . import mxfp4
 from .checkpoint import NUMPY_DTYPE, Checkpoint, SourceTensor, bf16_to_f32, f32_to_bf16, to_f32
 from .convert import OUTTYPES, ssm_a
 from .constants import INDEXER_MATRIX_TYPES, Key, T, key
 from .errors import KimiError
-from .gguf_io import GGUFFile, GGUFTensor, gguf_parts, open_gguf, read_gguf, same_shape
+from .gguf_io import GGUFFile, GGUFTensor, dequantize, gguf_parts, open_gguf, read_gguf, same_shape
 from .model import KimiConfig
 from .quant.driver import imatrix_vectors, quantize_rows, row_chunks
 from .quant.plan import Decision, QuantPlan
@@ -578,10 +578,10 @@ def compare_quantized(p, t: GGUFTensor, ckpt: Checkpoint, cfg: KimiConfig, imatr
     quantize_rows) of the values the converter writes, with the imatrix vector kimi-quantize would use."""
     from .quant.blocks import block_type, quantize, supported_types     # noqa: PLC0415  (the kernels, on first use)
     row: dict[str, Any] = {"mode": "quantized"}
-    if t.qtype not in supported_types():
-        have = ", ".join(q.name for q in supported_types() if q not in FLOAT_TYPES)
-        return row | {"ok": False, "detail": f"{t.qtype.name}: no byte-exact quantizer for this type here "
-                                             f"(have {have}), so it cannot be checked against its source"}
+    if t.qtype not in supported_types():      # neither a pass nor a fault of the file: not checked, and why
+        return row | {"mode": UNCHECKED, "ok": None,
+                      "detail": f"not checked (n/a): {t.qtype.name} has no byte-exact quantizer here yet, so its "
+                                f"blocks cannot be recomputed from the source"}
     bt = block_type(t.qtype)
     d = Decision(p.name, p.shape, QT.F32, t.qtype, "the file's type")
     vector = imatrix_vectors(QuantPlan([d]), imatrix, []).get(p.name) if imatrix is not None else None
@@ -637,7 +637,7 @@ def imatrix_failure(rows: list[dict], gf: GGUFFile, imatrix) -> str | None:
     records one (quantize.imatrix.*, which kimi-quantize and the llama-quantize tool write) and none was given,
     or another one; the differing blocks are those made without one; or the pattern a wrong imatrix leaves:
     only, and at least two, tensors of types that use one differ (a flipped byte damages one tensor)."""
-    bad = [r for r in rows if not r["ok"]]
+    bad = [r for r in rows if r["ok"] is False]
     suspects = [r for r in bad if r.get("mode") == "quantized" and r.get("uses_imatrix")]
     if not suspects:
         return None
@@ -680,7 +680,7 @@ def check_tensors(part: Part, plan, gf: GGUFFile, log: Callable[[str], None], im
         by_mode[row["mode"]] = by_mode.get(row["mode"], 0) + 1
         if row["ok"]:
             n_ok += 1
-        else:
+        elif row["ok"] is False:
             part.fail(f"{p.name}: {row['detail']}")
         if i % 64 == 63:
             log(f"tensors: {i + 1}/{len(plan.tensors)}")
@@ -689,6 +689,7 @@ def check_tensors(part: Part, plan, gf: GGUFFile, log: Callable[[str], None], im
         part.fail(f"{name}: in the GGUF but not made from any checkpoint tensor")
         part.rows.append({"tensor": name, "ok": False, "mode": "extra", "detail": "extra tensor"})
     matched_by_mode = {m: sum(1 for r in part.rows if r.get("mode") == m and r["ok"]) for m in by_mode}
+    unchecked = [r for r in part.rows if r["ok"] is None]
     compared = sum(n for m, n in by_mode.items() if m in VALUE_MODES)
     if n_ok == 0 and compared == len(plan.tensors) > 1 and not extra:
         # every tensor is there in its shape and none holds its source's values: one cause, one line
@@ -698,7 +699,9 @@ def check_tensors(part: Part, plan, gf: GGUFFile, log: Callable[[str], None], im
         part.failures.insert(0, why)
     part.figures = {"matched": n_ok, "total": len(plan.tensors), "extra": len(extra), "by_mode": by_mode,
                     "matched_by_mode": matched_by_mode,
-                    "mismatched": [r["tensor"] for r in part.rows if not r["ok"]],
+                    "mismatched": [r["tensor"] for r in part.rows if r["ok"] is False],
+                    "unchecked": [r["tensor"] for r in unchecked],
+                    "unchecked_types": sorted({r["type"] for r in unchecked}),
                     "imatrix": imatrix.path if imatrix is not None else None,
                     "imatrix_recorded": {k: gf.fields[k] for k in IMATRIX_KEYS if k in gf.fields}}
     return part.finish(f"{n_ok}/{len(plan.tensors)} tensors match their HF source"
@@ -706,8 +709,20 @@ def check_tensors(part: Part, plan, gf: GGUFFile, log: Callable[[str], None], im
 
 
 # how compare_tensor judges a tensor, in the summary's words
+UNCHECKED = "unchecked"
 VALUE_MODES = {"exact": "bit-exact", "ulp": "ssm_a within 4 ulp", "quantized": "quantized byte for byte"}
-OTHER_MODES = {"shape": "of another shape", "missing": "missing"}
+OTHER_MODES = {"shape": "of another shape", "missing": "missing", UNCHECKED: "not checked (no quantizer here)"}
+
+
+def unchecked_note(part: Part) -> str | None:
+    """The report's note for the quantized tensors the tensors part could not recompute, or None."""
+    names = part.figures.get("unchecked") if isinstance(part.figures, dict) else None
+    if not names:
+        return None
+    types = ", ".join(part.figures["unchecked_types"])
+    return (f"tensors: {len(names)} quantized tensor(s) ({types}) not checked against their source (n/a): no "
+            f"byte-exact quantizer for {'these types' if ',' in types else 'this type'} here yet; their values "
+            f"are still run by the runtime and the reference")
 
 
 def _modes_summary(by_mode: dict[str, int], matched: dict[str, int]) -> str:
@@ -1277,6 +1292,8 @@ def _checkpoint_parts(report: Report, gf: GGUFFile, plan, hf_dir: Path, tol: Tol
     parts = [_run(Part("tensors", "tensors vs checkpoint"), lambda p: check_tensors(p, plan, gf, log, imatrix)),
              _run(Part("metadata", "metadata vs config.json"),
                   lambda p: check_metadata(p, cfg.gguf_metadata(), gf, cfg.arch, cfg=cfg))]
+    if (note := unchecked_note(parts[0])) is not None:
+        report.notes.append(note)
     if no_reference:                                    # the file is not at fault: those parts are n/a
         log("running the runtime (no reference)")
         report.notes.append(f"logits, perplexity, quantization cost"

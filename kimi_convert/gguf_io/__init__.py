@@ -5,8 +5,8 @@
 `reader`: `open_gguf`, which memory-maps a file or every part of a split file (a hardened parser of
 our own; `read_gguf` reads one part).
 """
-from .reader import (GGUFFile, GGUFPart, GGUFTensor, Shape, ValueTypes, gguf_inputs, gguf_parts,  # noqa: F401
-                     iter_chunks_of, open_gguf, read_gguf, same_shape)
+from .reader import (GGUFFile, GGUFPart, GGUFTensor, Shape, ValueTypes, dequantize, gguf_inputs,  # noqa: F401
+                     gguf_parts, iter_chunks_of, open_gguf, read_gguf, same_shape)
 from .writer import (COPY_CHUNK, HEADROOM, MIN_SPLIT_SIZE, BufferedSink, Chunk, DirectSink, DiskRoom,  # noqa: F401
                      FileRange, GGUFStreamWriter, OutTensor, Prefetch, SourceFiles, check_free_disk,
                      check_output_paths, check_split_max_size, copy_range, disk_bytes, disk_room, open_sink,

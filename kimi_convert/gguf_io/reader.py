@@ -32,7 +32,7 @@ from typing import Any, Iterator, Union
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUFValueType
 from gguf import GGMLQuantizationType as QT
-from gguf.quants import dequantize
+from gguf import quants as gguf_quants
 
 from ..errors import CheckpointError
 from ..paths import Input
@@ -99,6 +99,15 @@ class _MappedPart:
         return self._bytes[offset:offset + nbytes]
 
 
+def dequantize(raw: np.ndarray, qtype: QT) -> np.ndarray:
+    """ggml's to_float (dequantize_row_<type>) of raw blocks [..., row bytes]: gguf.quants, bit for bit with ggml
+    for every type it has (tests/test_ggml_cpu.py), and Q1_0, which it lacks, from ggml_cpu_lowbit."""
+    if qtype == QT.Q1_0:
+        from ..ggml_cpu_lowbit import dequantize_q1_0  # noqa: PLC0415 (its grid tables, on first use: 0.1 s)
+        return dequantize_q1_0(raw)
+    return gguf_quants.dequantize(raw, qtype)
+
+
 @dataclass(slots=True)
 class GGUFTensor:
     name: str
@@ -154,7 +163,7 @@ class GGUFTensor:
         return self.raw.reshape(-1).view(np.uint8)
 
     def to_float32(self) -> np.ndarray:
-        """Dequantised values in numpy shape (gguf.quants does every type we write)."""
+        """Dequantised values in numpy shape (`dequantize`)."""
         return np.asarray(dequantize(self.raw, self.qtype), dtype=np.float32).reshape(self.shape)
 
     def as_shape(self, shape: Shape) -> "GGUFTensor":

@@ -62,6 +62,8 @@ def _lib() -> ctypes.CDLL:
     lib.ggml_row_size.argtypes = [ctypes.c_int, ctypes.c_int64]
     lib.ggml_validate_row_data.restype = ctypes.c_bool
     lib.ggml_validate_row_data.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t]
+    lib.ggml_quantize_requires_imatrix.restype = ctypes.c_bool
+    lib.ggml_quantize_requires_imatrix.argtypes = [ctypes.c_int]
     return lib
 
 
@@ -71,6 +73,11 @@ def _ptr(a: np.ndarray | None):
 
 def ggml_row_size(qtype: QT, n_per_row: int) -> int:
     return int(_lib().ggml_row_size(int(qtype), n_per_row))
+
+
+def ggml_quantize_requires_imatrix(qtype: QT) -> bool:
+    """``ggml_quantize_requires_imatrix``: the types ggml refuses to quantize without one (IQ2_XXS, IQ2_XS, IQ1_S)."""
+    return bool(_lib().ggml_quantize_requires_imatrix(int(qtype)))
 
 
 def ggml_quantize(values: np.ndarray, qtype: QT, imatrix: np.ndarray | None = None, *, threads: int = 1) -> np.ndarray:
