@@ -450,7 +450,7 @@ def preflight(plan: Plan, out: Path, *, split_max_tensors: int = 0, split_max_si
     sizes = [t.nbytes for t in plan.tensors] if quant is None else quant.sizes
     finals = split_paths(out, count_files(sizes, split_max_tensors, split_max_size))
     check_output_paths(finals, force)
-    vocab = load_vocab(plan.hf_dir, text_config_of(plan.hf_dir))
+    vocab = load_vocab(plan.hf_dir, _text_config(plan.hf_dir))
     stale = stale_partials(out)
     return Preflight(finals, vocab, stale, disk_room(sum(sizes), out, sum(disk_bytes(p) for p in stale)))
 
@@ -539,7 +539,7 @@ def converted_metadata(plan: Plan, vocab: "Vocab") -> list[tuple]:
     return [(k, v.value, v.type, v.sub_type) for k, v in m.kv_data[0].items()]
 
 
-def text_config_of(hf_dir: Path) -> dict:
+def _text_config(hf_dir: Path) -> dict:
     """config.json's text_config over its top level: what the vocabulary reads the special ids from."""
     import json
     raw = json.loads((hf_dir / "config.json").read_text())

@@ -51,7 +51,7 @@ from gguf.quants import dequantize
 
 from . import mxfp4
 from .checkpoint import NUMPY_DTYPE, Checkpoint, SourceTensor, bf16_to_f32, f32_to_bf16, to_f32
-from .convert import OUTTYPES, ssm_a, text_config_of
+from .convert import OUTTYPES, ssm_a, _text_config
 from .constants import INDEXER_MATRIX_TYPES, Key, T, key
 from .errors import KimiError
 from .gguf_io import GGUFFile, GGUFTensor, gguf_parts, open_gguf, read_gguf, same_shape
@@ -1333,7 +1333,7 @@ def _checkpoint_parts(report: Report, gf: GGUFFile, plan, hf_dir: Path, tol: Tol
     parts = [_run(Part("tensors", "tensors vs checkpoint"), lambda p: check_tensors(p, plan, gf, log, imatrix)),
              _run(Part("metadata", "metadata vs config.json"),
                   lambda p: check_metadata(p, cfg.gguf_metadata(), gf, cfg.arch, cfg=cfg,
-                                           specials=checkpoint_specials(hf_dir, text_config_of(hf_dir))))]
+                                           specials=checkpoint_specials(hf_dir, _text_config(hf_dir))))]
     if no_reference:                                    # the file is not at fault: those parts are n/a
         log("running the runtime (no reference)")
         report.notes.append(f"logits, perplexity, quantization cost"
