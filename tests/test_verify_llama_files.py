@@ -290,3 +290,41 @@ def test_every_special_id_is_the_checkpoints(tmp_path, made_by, k3_dir, maker, c
     bad = rewrite(made_by[maker], tmp_path / "bad.gguf", keys=keys)
     assert failures(verify(bad, k3_dir, length=N)) == {"metadata": with_ckpt}
     assert failures(verify(bad, length=N)) == ({"metadata": alone} if alone else {})
+
+
+# ------------------------------------------------------------------------------------
+# GGUF strings are UTF-8: every string key and every element of a string array
+
+def string_element_offset(path, key: str, index: int) -> int:
+    """File offset of element `index` of the string array `key`, walked here from gguf's own reader's field offset
+    (key length, key, type, element type, count, then per string its length and bytes)."""
+    f = GGUFReader(path).fields[key]
+    with open(path, "rb") as fh:
+        fh.seek(f.offset)
+        head = fh.read(8)
+        at = f.offset + 8 + int.from_bytes(head, "little") + 4 + 4 + 8
+        for _ in range(index):
+            fh.seek(at)
+            at += 8 + int.from_bytes(fh.read(8), "little")
+    return at + 8
+
+
+@pytest.mark.parametrize("maker", ["ours", "llama.cpp"])
+def test_a_merge_that_is_not_utf8_fails(tmp_path, made_by, k3_dir, maker):
+    """One byte of a merge set to 0x80 (a continuation byte where a character starts): the file is no GGUF, whose
+    strings are UTF-8. The structure part names the key, the element and the byte's file offset; exit 1."""
+    src = made_by[maker]
+    merges = open_gguf(src).fields["tokenizer.ggml.merges"]
+    index = 99
+    at = string_element_offset(src, "tokenizer.ggml.merges", index)
+    data = bytearray(src.read_bytes())
+    assert data[at:at + len(merges[index].encode())] == merges[index].encode()
+    data[at] = 0x80
+    bad = tmp_path / "merge.gguf"
+    bad.write_bytes(bytes(data))
+    line = (f"{bad}: key tokenizer.ggml.merges: element {index} (string {index + 1} of {len(merges)}) is not valid "
+            f"UTF-8 (invalid start byte: byte 0x80 at byte 0 of it, file offset {at})")
+    for args in ([str(bad)], [str(k3_dir), str(bad)]):
+        res = CliRunner().invoke(app, ["check", *args, "--length", str(N)])
+        assert res.exit_code == 1 and line in res.output, res.output
+    assert failures(verify(bad, length=N)) == {"structure": [line]}
