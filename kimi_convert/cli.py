@@ -43,6 +43,9 @@ def print_error(message: str) -> None:
 
 
 def fail(e: Exception) -> None:
+    """The error's `details` (each thing refused, one line each), then its one `error:` line."""
+    for line in getattr(e, "details", ()):
+        console.print(f"[red]refused:[/] {escape(line)}", highlight=False)
     print_error(str(e))
     raise typer.Exit(getattr(e, "exit_code", 1))
 

@@ -552,6 +552,7 @@ def converted_metadata(plan: Plan, vocab: "Vocab") -> list[tuple]:
 
 
 def _text_config(hf_dir: Path) -> dict:
+    """config.json's text_config over its top level: what the vocabulary reads the special ids from."""
     import json
     raw = json.loads((hf_dir / "config.json").read_text())
     merged = {k: v for k, v in raw.items() if k != "text_config"}

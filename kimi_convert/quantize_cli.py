@@ -153,7 +153,7 @@ def load_policy_options(policy: str, tensor_type: List[str], tensor_type_file: L
 def report_decisions(plan, imat) -> None:
     """On stderr: the rules that name protected tensors, the warnings, and the imatrix's coverage."""
     from .quant.driver import imatrix_coverage
-    print_conflicts(plan.conflicts)
+    print_conflicts(plan)
     for w in plan.warnings:
         console.print(f"[yellow]warning:[/] {escape(w)}", highlight=False)
     if imat is not None:
@@ -166,15 +166,11 @@ def load_imatrix(path: Path):
     return load(path)
 
 
-def print_conflicts(conflicts) -> None:
-    """One note per (rule, protection): the tensors it names, the protection and why."""
-    groups: dict = {}
-    for c in conflicts:
-        groups.setdefault((c.rule.describe(), c.protection), []).append(c.tensor)
-    for (rule, guard), names in groups.items():
-        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-        console.print(f"[yellow]note:[/] rule {rule} names {len(names)} protected tensor(s), not applied to them: "
-                      f"{shown}; protected ({guard.kind}): {guard.why}", highlight=False)
+def print_conflicts(plan) -> None:
+    """One note per (rule, protection), the lines --strict refuses with: the tensors it names, the protection
+    and why; the rule is not applied to them."""
+    for g in plan.conflict_groups:
+        console.print(f"[yellow]note:[/] {escape(g.describe())} (not applied to them)", highlight=False)
 
 
 def print_explain(plan, pol) -> None:

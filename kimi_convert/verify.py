@@ -9,7 +9,8 @@ With the HF checkpoint (`verify(gguf, hf_dir)`), seven parts, each pass/fail wit
               writes (a type without a quantizer here is not checked, n/a with the reason, and
               listed in the report's notes); nothing missing, nothing extra
   metadata    every architecture key (value and GGUF type) against
-              KimiConfig.gguf_metadata() of the checkpoint's config, plus the vocabulary
+              KimiConfig.gguf_metadata() of the checkpoint's config, plus the vocabulary, and every
+              special-token id against the id config.json names (vocab.checkpoint_specials)
   logits      runtime (GGUF) vs reference (HF) on a fixed token sequence: max |diff|,
               argmax agreement, KL, within the file class's tolerances; positions whose
               MoE / DSA routing margin is below tolerance are listed and excluded. For a
@@ -23,8 +24,8 @@ With the HF checkpoint (`verify(gguf, hf_dir)`), seven parts, each pass/fail wit
 Without a checkpoint (`verify(gguf)`): structure; every tensor the architecture implies
 (from KimiConfig.from_gguf and tensor_map's table) present with its shape and an allowed
 type, no extra, valid blocks (as ggml_validate_row_data) and finite values; metadata keys
-with the types llama.cpp reads; a forward pass without NaN; and the runtime-only half of the
-k31 part.
+with the types llama.cpp reads, special-token ids naming Kimi-K3's tokens (vocab.k3_specials);
+a forward pass without NaN; and the runtime-only half of the k31 part.
 
 Files llama.cpp writes pass as ours do: shapes are compared up to leading 1s (trailing ggml
 1-dims, which llama-quantize's headers leave out), and each key may have any type llama.cpp's
@@ -50,7 +51,7 @@ from gguf import GGMLQuantizationType as QT
 
 from . import mxfp4
 from .checkpoint import NUMPY_DTYPE, Checkpoint, SourceTensor, bf16_to_f32, f32_to_bf16, to_f32
-from .convert import OUTTYPES, ssm_a
+from .convert import OUTTYPES, _text_config, ssm_a
 from .constants import INDEXER_MATRIX_TYPES, Key, T, key
 from .errors import KimiError
 from .gguf_io import GGUFFile, GGUFTensor, dequantize, gguf_parts, open_gguf, read_gguf, same_shape
@@ -58,6 +59,7 @@ from .model import KimiConfig
 from .quant.driver import imatrix_vectors, quantize_rows, row_chunks
 from .quant.plan import Decision, QuantPlan
 from .tensor_map import A_LOG, CONV1D, COPY, EXPERTS, K_B, RES_SCORE, V_B, gguf_tensors
+from .vocab import SPECIAL_KEYS, ExpectedSpecial, checkpoint_specials, k3_specials
 
 SEQ_LEN = 32
 SEED = 0
@@ -207,10 +209,9 @@ def token_sequence(gf: GGUFFile, length: int = SEQ_LEN, seed: int = SEED,
     else:
         ok = np.arange(n_rows, dtype=np.int64)
     special = {int(i) for i in extra_special if i is not None}
-    for k in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.padding_token_id",
-              "tokenizer.ggml.unknown_token_id"):
-        if k in gf.fields:
-            special.add(int(gf.fields[k]))
+    for s in SPECIAL_KEYS:
+        if s.key in gf.fields:
+            special.add(int(gf.fields[s.key]))
     ok = ok[~np.isin(ok, list(special))]
     if len(ok) == 0:
         raise KimiError("the vocabulary has no ordinary token to build a test sequence from")
@@ -849,7 +850,10 @@ def _short(v: Any) -> str:
     return repr(v)
 
 
-def check_metadata(part: Part, expected: list, gf: GGUFFile, arch: str, *, cfg: KimiConfig) -> Part:
+def check_metadata(part: Part, expected: list, gf: GGUFFile, arch: str, *, cfg: KimiConfig,
+                   specials: list[ExpectedSpecial] | None = None) -> Part:
+    """specials: what each special-token key must say (vocab.checkpoint_specials); by default what Kimi-K3's
+    tokenizer fixes (vocab.k3_specials)."""
     n_ok = 0
     if gf.fields.get("general.architecture") != arch:
         part.fail(f"general.architecture is {gf.fields.get('general.architecture')!r}, expected {arch!r}")
@@ -893,15 +897,67 @@ def check_metadata(part: Part, expected: list, gf: GGUFFile, arch: str, *, cfg: 
         t = gf.tensors.get(k)
         if t is not None and t.shape[0] != cfg.n_vocab:
             part.fail(f"{k}: {t.shape[0]} rows, vocab_size is {cfg.n_vocab}")
-    for k in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.padding_token_id"):
-        if k in gf.fields and n_tok is not None and not 0 <= int(gf.fields[k]) < n_tok:
-            part.fail(f"{k}: {gf.fields[k]} is outside the vocabulary")
     part.rows.append({"key": "tokenizer.ggml.tokens (count)", "expected": cfg.n_vocab, "found": n_tok,
                       "type": "ARRAY[STRING]", "ok": vocab_ok})
+    n_special, n_special_ok = check_special_tokens(part, gf, k3_specials() if specials is None else specials)
     part.figures = {"keys_matched": n_ok, "keys_expected": len(expected), "unexpected_keys": stray,
-                    "vocab_tokens": n_tok, "vocab_size": cfg.n_vocab}
+                    "vocab_tokens": n_tok, "vocab_size": cfg.n_vocab, "special_ids_matched": n_special_ok,
+                    "special_ids": n_special}
     return part.finish(f"{n_ok}/{len(expected)} architecture keys match (value, and a type llama.cpp reads), "
-                       f"vocabulary {n_tok}/{cfg.n_vocab}" + (f", {len(stray)} unexpected" if stray else ""))
+                       f"vocabulary {n_tok}/{cfg.n_vocab}, special ids {n_special_ok}/{n_special}"
+                       + (f", {len(stray)} unexpected" if stray else ""))
+
+
+def check_special_tokens(part: Part, gf: GGUFFile, expected: list[ExpectedSpecial]) -> tuple[int, int]:
+    """Each special-token key present (or required) against its expectation: stored as the UINT32 llama.cpp reads,
+    inside the vocabulary, the expected id, and naming the expected token. (checked, passed)"""
+    tokens = gf.fields.get("tokenizer.ggml.tokens")
+    tokens = tokens if isinstance(tokens, list) else []
+    n, n_ok = 0, 0
+    for e in expected:
+        if e.key not in gf.fields and not e.required:
+            continue
+        n += 1
+        problem = _special_problem(e, gf, tokens)
+        found = gf.fields.get(e.key, "missing")
+        part.rows.append({"key": e.key, "expected": _special_shown(e.token_id, e.text), "type": "UINT32",
+                          "stored_as": _type_name(*gf.types.get(e.key, (None, None))),
+                          "found": _special_shown(found, _text_at(tokens, found)), "ok": problem is None})
+        if problem is None:
+            n_ok += 1
+        else:
+            part.fail(f"{e.key}: {problem}")
+    return n, n_ok
+
+
+def _special_problem(e: ExpectedSpecial, gf: GGUFFile, tokens: list[str]) -> str | None:
+    want_id = e.token_id
+    if want_id is None and e.text is not None and e.text in tokens:
+        want_id = tokens.index(e.text)          # the file's id of the token it must name
+    want = f"expected {_special_shown(want_id, e.text)} from {e.source}" if want_id is not None else \
+        f"expected the id of {e.text!r} from {e.source}, which the file's vocabulary does not hold" if e.text else \
+        f"expected an id of the vocabulary of {len(tokens)} tokens"
+    if e.key not in gf.fields:
+        return f"missing, {want}"
+    got, stored = gf.fields[e.key], gf.types.get(e.key)
+    if stored != (VT.UINT32, None):
+        return f"{_short(got)} stored as {_type_name(*stored)}, llama.cpp reads it only as UINT32; {want}"
+    if not got < len(tokens):
+        return f"{got} is outside the vocabulary of {len(tokens)} tokens, {want}"
+    if (e.token_id is not None and got != e.token_id) or (e.text is not None and tokens[got] != e.text):
+        return f"{_special_shown(got, tokens[got])}, {want}"
+    return None
+
+
+def _text_at(tokens: list[str], token_id: Any) -> str | None:
+    ok = isinstance(token_id, int) and not isinstance(token_id, bool) and 0 <= token_id < len(tokens)
+    return tokens[token_id] if ok else None
+
+
+def _special_shown(token_id: Any, text: str | None) -> str:
+    if token_id is None:
+        return repr(text) if text is not None else "any id of the vocabulary"
+    return f"{token_id} ({text!r})" if text is not None else str(token_id)
 
 
 # ------------------------------------------------------------------------------------
@@ -1291,7 +1347,8 @@ def _checkpoint_parts(report: Report, gf: GGUFFile, plan, hf_dir: Path, tol: Tol
     log("comparing tensors")
     parts = [_run(Part("tensors", "tensors vs checkpoint"), lambda p: check_tensors(p, plan, gf, log, imatrix)),
              _run(Part("metadata", "metadata vs config.json"),
-                  lambda p: check_metadata(p, cfg.gguf_metadata(), gf, cfg.arch, cfg=cfg))]
+                  lambda p: check_metadata(p, cfg.gguf_metadata(), gf, cfg.arch, cfg=cfg,
+                                           specials=checkpoint_specials(hf_dir, _text_config(hf_dir))))]
     if (note := unchecked_note(parts[0])) is not None:
         report.notes.append(note)
     if no_reference:                                    # the file is not at fault: those parts are n/a

@@ -52,6 +52,37 @@ class VocabError(KimiError):
     """The tokenizer files are missing, malformed or disagree with the config."""
 
 
+# --- special tokens: the one table of the ids a GGUF may name ---------------------
+
+@dataclass(frozen=True)
+class SpecialKey:
+    key: str                    # the GGUF key (gguf-py's Keys.Tokenizer), a UINT32 to src/llama-vocab.cpp
+    hf: str | None              # config.json's `{hf}_token_id` and tokenizer_config.json's `{hf}_token`
+    k3_text: str | None = None  # the token it names in Kimi-K3's tokenizer (k3-hf-format.md, k3-chat-format.md)
+    written: bool = False       # kimi-convert writes it (Vocab.special_ids) when config.json names the id
+
+
+_K = gguf.Keys.Tokenizer
+END_OF_MESSAGE = "<|end_of_msg|>"
+SPECIAL_KEYS = (
+    SpecialKey(_K.BOS_ID, "bos", "[BOS]", written=True),
+    # the config's eos, the turn terminator; not the tokenizer's [EOS], the document terminator, after which a
+    # chat would never stop at the end of a turn (llama.cpp's K3 converter restores it over kimi-linear's [EOS])
+    SpecialKey(_K.EOS_ID, "eos", END_OF_MESSAGE, written=True),
+    SpecialKey(_K.PAD_ID, "pad", "[PAD]", written=True),
+    SpecialKey(_K.UNK_ID, "unk", written=True),
+    # llama.cpp's converter also writes these when config.json names them (gguf.SpecialVocab)
+    SpecialKey(_K.SEP_ID, "sep"),
+    SpecialKey(_K.MASK_ID, "mask"),
+    # K3 ends every message and every turn with its eos: an end-of-turn or end-of-message id must be that one
+    SpecialKey(_K.EOT_ID, "eos", END_OF_MESSAGE),
+    SpecialKey(_K.EOM_ID, "eos", END_OF_MESSAGE),
+    # K3 has no fill-in-the-middle tokens: such a key can only be checked against the vocabulary
+    *(SpecialKey(k, None) for k in (_K.FIM_PRE_ID, _K.FIM_SUF_ID, _K.FIM_MID_ID, _K.FIM_PAD_ID, _K.FIM_REP_ID,
+                                    _K.FIM_SEP_ID, _K.PREFIX_ID, _K.SUFFIX_ID, _K.MIDDLE_ID)),
+)
+
+
 @dataclass(frozen=True)
 class Vocab:
     tokens: list[str]
@@ -67,6 +98,13 @@ class Vocab:
     # llama.cpp's "kimi-k2" pre-tokenizer adds no BOS by default; written explicitly
     add_bos: bool = False
     add_eos: bool = False
+    hf_tokens: dict[str, str] = field(default_factory=dict, repr=False)   # tokenizer_config's `{kind}_token`s
+
+    @property
+    def special_ids(self) -> dict[str, int]:
+        """GGUF key -> id of every special token this vocabulary writes (the config's ids)."""
+        ids = {s.key: getattr(self, f"{s.hf}_id") for s in SPECIAL_KEYS if s.written}
+        return {key: token_id for key, token_id in ids.items() if token_id is not None}
 
     @cached_property
     def merges(self) -> list[str]:
@@ -102,7 +140,44 @@ def load_vocab(hf_dir: Path, text_config: dict) -> Vocab:
         chat_template=_chat_template(hf_dir, tok_config),
         add_bos=_flag(tok_config, "add_bos_token"),
         add_eos=_flag(tok_config, "add_eos_token"),
+        hf_tokens=_named_specials(tok_config),
     )
+
+
+@dataclass(frozen=True)
+class ExpectedSpecial:
+    """What one special-token key of a GGUF must say."""
+    key: str
+    token_id: int | None        # None: no id is fixed, only the text (if known) and the range
+    text: str | None            # the token's text, where known
+    required: bool              # a file without the key fails
+    source: str                 # where the expectation comes from, for the failure line
+
+
+def checkpoint_specials(hf_dir: Path, text_config: dict) -> list[ExpectedSpecial]:
+    """Every key of SPECIAL_KEYS as a GGUF converted from `hf_dir` must hold it, by our converter or llama.cpp's:
+    the id config.json names (`text_config` as load_vocab takes it) and the checkpoint's token at it; where the
+    config names none, the token tokenizer_config.json names, if any. The keys kimi-convert writes are required."""
+    vocab = load_vocab(hf_dir, text_config)
+    out = []
+    for s in SPECIAL_KEYS:
+        token_id = _special_id(text_config, s.hf, len(vocab.tokens)) if s.hf else None
+        if token_id is not None:
+            out.append(ExpectedSpecial(s.key, token_id, vocab.tokens[token_id], s.written,
+                                       f"config.json {s.hf}_token_id"))
+        elif s.hf in vocab.hf_tokens:
+            out.append(ExpectedSpecial(s.key, None, vocab.hf_tokens[s.hf], False, f"{TOKENIZER_CONFIG_FILE} "
+                                                                                   f"{s.hf}_token"))
+        else:
+            out.append(ExpectedSpecial(s.key, None, None, False, "the vocabulary"))
+    return out
+
+
+def k3_specials() -> list[ExpectedSpecial]:
+    """The same without a checkpoint: each key names Kimi-K3's token where the release fixes it; the eos
+    (what ends generation) is required."""
+    return [ExpectedSpecial(s.key, None, s.k3_text, s.key == _K.EOS_ID,
+                            "Kimi-K3's tokenizer" if s.k3_text else "the vocabulary") for s in SPECIAL_KEYS]
 
 
 def write_vocab(vocab: Vocab, writer: gguf.GGUFWriter) -> None:
@@ -112,10 +187,8 @@ def write_vocab(vocab: Vocab, writer: gguf.GGUFWriter) -> None:
     writer.add_token_list(vocab.tokens)
     writer.add_token_types(vocab.token_types)
     writer.add_token_merges(vocab.merges)
-    for kind in ("bos", "eos", "pad", "unk"):
-        token_id = getattr(vocab, f"{kind}_id")
-        if token_id is not None:
-            getattr(writer, f"add_{kind}_token_id")(token_id)
+    for key, token_id in vocab.special_ids.items():
+        writer.add_uint32(key, token_id)
     writer.add_add_bos_token(vocab.add_bos)
     writer.add_add_eos_token(vocab.add_eos)
     writer.add_chat_template(vocab.chat_template)
@@ -325,6 +398,17 @@ def _special_id(text_config: dict, kind: str, n_vocab: int) -> int | None:
     if not isinstance(token_id, int) or isinstance(token_id, bool) or not 0 <= token_id < n_vocab:
         raise VocabError(f"config.json: {kind}_token_id {token_id!r} is not an id below vocab_size {n_vocab}")
     return token_id
+
+
+def _named_specials(config: dict) -> dict[str, str]:
+    """kind -> text of tokenizer_config.json's `{kind}_token` entries (a string, or an added-token object)."""
+    named = {}
+    for kind in {s.hf for s in SPECIAL_KEYS if s.hf}:
+        entry = config.get(f"{kind}_token")
+        text = entry.get("content") if isinstance(entry, dict) else entry
+        if isinstance(text, str) and text:
+            named[kind] = text
+    return named
 
 
 def _flag(config: dict, key: str) -> bool:

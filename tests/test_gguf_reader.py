@@ -179,6 +179,14 @@ def inside_tokens() -> int:
     return 24 + len(LONG_KVS[0]) + len(LONG_KVS[1]) + len(gstr("t.tokens")) + 4 + 4 + 8 + 8 + 18
 
 
+def not_utf8(data: bytes, bad: bytes, k: int, where: str, reason: str) -> tuple[bytes, str]:
+    """A file whose one copy of `bad` holds the fault at its byte k, and the message that must name it: what the
+    string is, why, the byte, where it is in the string and in the file."""
+    assert data.count(bad) == 1
+    return data, (rf"{where} is not valid UTF-8 \({reason}: byte 0x{bad[k]:02x} at byte {k} of it, "
+                  rf"file offset {data.index(bad) + k}\)$")
+
+
 BAD = {
     "magic": (build(magic=b"GGML"), r"not a GGUF file \(it does not start with the GGUF magic\)"),
     "version 1": (build(version=1), r"GGUF version 1: only versions 2 and 3 are supported"),
@@ -188,8 +196,8 @@ BAD = {
     "huge tensor count": (build(counts=(2**40, 5)), r"header counts 1099511627776 tensors"),
     "key length past the end": (build(kvs=replaced(BASE_KVS, 1, u64(2**63) + b"x")),
                                 r"truncated: key 2 of 5: the name needs 9223372036854775808 bytes at offset \d+"),
-    "key not UTF-8": (build(kvs=replaced(BASE_KVS, 1, kv(b"gen\xff", VT.UINT32, u32(32)))),
-                      r"key 2 of 5: the name is not valid UTF-8 \(invalid start byte at byte 3\)"),
+    "key not UTF-8": not_utf8(build(kvs=replaced(BASE_KVS, 1, kv(b"gen\xff", VT.UINT32, u32(32)))), b"gen\xff", 3,
+                              r"key 2 of 5: the name", "invalid start byte"),
     "empty key": (build(kvs=replaced(BASE_KVS, 2, kv("", VT.UINT8, b"\0"))), r"key 3 of 5: the name is empty"),
     "duplicate key": (build(kvs=BASE_KVS + [BASE_KVS[2]]), r"key t\.tokens: appears twice"),
     "unknown value type": (build(kvs=replaced(BASE_KVS, 4, kv("t.eps", 13, u32(0)))),
@@ -205,10 +213,17 @@ BAD = {
     "string length past the end": (build(kvs=replaced(BASE_KVS, 0, kv("general.architecture", VT.STRING,
                                                                       u64(2**40) + b"kimi"))),
                                    r"truncated: key general\.architecture: the string needs 1099511627776 bytes"),
-    "string not UTF-8": (build(kvs=replaced(BASE_KVS, 0, kv("general.architecture", VT.STRING, gstr(b"k\xc3\x28")))),
-                         r"key general\.architecture: the string is not valid UTF-8 \(invalid continuation byte"),
-    "array string not UTF-8": (build(kvs=replaced(BASE_KVS, 2, kv("t.tokens", VT.ARRAY, strings("a", b"\xed\xa0\x80")))),
-                               r"key t\.tokens: string 2 of 2 is not valid UTF-8 \(invalid continuation byte at byte 0\)"),
+    "string not UTF-8": not_utf8(build(kvs=replaced(BASE_KVS, 0, kv("general.architecture", VT.STRING,
+                                                                   gstr(b"k\xc3\x28")))), b"k\xc3\x28", 1,
+                                 r"key general\.architecture: the string", "invalid continuation byte"),
+    "array string not UTF-8": not_utf8(build(kvs=replaced(BASE_KVS, 2, kv("t.tokens", VT.ARRAY,
+                                                                         strings("a", b"\xed\xa0\x80")))),
+                                       b"\xed\xa0\x80", 0, r"key t\.tokens: element 1 \(string 2 of 2\)",
+                                       "invalid continuation byte"),
+    "array string with 0x80": not_utf8(build(kvs=replaced(BASE_KVS, 2, kv("t.tokens", VT.ARRAY,
+                                                                          strings("a", "b", b"x\x80y")))),
+                                       b"x\x80y", 1, r"key t\.tokens: element 2 \(string 3 of 3\)",
+                                       "invalid start byte"),
     "cut inside a value": (build(kvs=LONG_KVS)[:inside_tokens()],
                            rf"truncated: key t\.tokens: string 1 of 3 needs 20 bytes at offset "
                            rf"{inside_tokens() - 18}, the file ends at byte {inside_tokens()}$"),
@@ -218,8 +233,8 @@ BAD = {
                      r"key general\.alignment: 48 is not a power of two"),
     "alignment 0": (build(kvs=replaced(BASE_KVS, 1, kv("general.alignment", VT.UINT32, u32(0)))),
                     r"key general\.alignment: 0 is not a power of two"),
-    "tensor name not UTF-8": (build(tensors=replaced(BASE_TENSORS, 1, tinfo(b"\x80b", [8], QT.F32, 32))),
-                              r"tensor 2 of 2: the name is not valid UTF-8"),
+    "tensor name not UTF-8": not_utf8(build(tensors=replaced(BASE_TENSORS, 1, tinfo(b"\x80b", [8], QT.F32, 32))),
+                                      b"\x80b", 0, r"tensor 2 of 2: the name", "invalid start byte"),
     "tensor name too long": (build(tensors=replaced(BASE_TENSORS, 1, tinfo("b" * 64, [8], QT.F32, 32))),
                              r"tensor b{64}: the name takes 64 bytes, ggml allows at most 63"),
     "duplicate tensor": (build(tensors=[BASE_TENSORS[0], tinfo("a", [8], QT.F32, 32)]), r"tensor a: appears twice"),

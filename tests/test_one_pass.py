@@ -25,6 +25,7 @@ from kimi_convert.quant.driver import quantize_file
 from kimi_convert.quant.imatrix import load_imatrix
 from kimi_convert.quant.policy import load_policy, tensor_type_rules
 from test_convert_errors import assert_fails_cleanly, run_cli
+from test_quantize_cli import AIMED_AT_PROTECTED, printed, protected_lines
 
 # rules, `keep`, a shape fallback (KDA rows of 16), rules aimed at protected tensors (MXFP4 experts, norms, the
 # K3.1 indexer), and --tensor-type tokens tried first
@@ -322,7 +323,7 @@ ERRORS = {
                            ["wrong.imatrix.gguf", "blk.0.attn_q.weight"]),
     "imatrix without policy": (lambda t, hf: [hf, "--imatrix", t / "x.imatrix"], ["--imatrix", "--policy"]),
     "strict": (lambda t, hf: [hf, "--policy", "q8_0", "--strict", "--tensor-type", "exps=q4_k"],
-               ["--strict", "protected (mxfp4)"]),
+               ["--strict", "1 rule(s) name protected tensors (mxfp4)", "--tensor-type exps=q4_k ('exps' -> Q4_K)"]),
 }
 
 
@@ -335,3 +336,18 @@ def test_bad_input_is_one_error_line_and_no_output(case, small, tmp_path, out_di
     if case.startswith("policy line"):
         assert "missing-checkpoint" not in r.stderr
 
+
+
+def test_strict_names_every_colliding_rule(k31_dir, tmp_path, out_dir):
+    """kimi-convert --policy --strict, in its one pass, refuses as kimi-quantize --strict does: a line for each
+    rule and protection (the MXFP4 experts, the K3.1 indexer, its 1-D k_norm), then the one error line."""
+    pol = policy_file(tmp_path, AIMED_AT_PROTECTED)
+    plan = build_plan(k31_dir)
+    want = protected_lines(pol, [(t.name, t.qtype) for t in plan.tensors])
+    r = run_cli(k31_dir, out_dir / "q.gguf", "--policy", pol, "--strict")
+    assert_fails_cleanly(out_dir, r, "--strict: 2 rule(s) name protected tensors", f"{pol}:3 ('_exps' -> Q4_K)",
+                         f"{pol}:6 ('indexer\\\\.' -> Q8_0)", "nothing is written")
+    assert printed(r.stderr, "refused: ") == want, r.stderr
+    notes = run_cli(k31_dir, out_dir / "q.gguf", "--policy", pol, "--dry-run")
+    assert notes.returncode == 0, notes.stderr
+    assert printed(notes.stderr, "note: ") == want, notes.stderr

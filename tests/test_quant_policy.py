@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from kimi_convert.quant.plan import QuantizeError, decide, plan_quantization
+from kimi_convert.quant.plan import QuantizeError, StrictError, decide, plan_quantization
 from kimi_convert.quant.policy import (PolicyError, load_policy, parse_policy, preset_names, tensor_type_rules)
 
 
@@ -131,8 +131,43 @@ def test_rules_naming_protected_tensors_are_reported_and_strict_refuses():
                      "blk.1.ffn_up_exps.weight": "mxfp4", "blk.0.attn_norm.weight": "llama.cpp"}
     assert all(d.copied for d in plan.decisions if d.name in named)
     assert "p.toml:3" in plan.conflicts[0].describe()
-    with pytest.raises(QuantizeError, match=r"--strict: blk\.0\.attn_norm\.weight: rule p\.toml:3 .*protected"):
+    # one rule (`keep` names nothing), three protections: one error line, a detail line per protection
+    with pytest.raises(QuantizeError, match=r"^--strict: 1 rule\(s\) name protected tensors \(llama\.cpp, indexer, "
+                                            r"mxfp4\): p\.toml:3 \('indexer\|_exps\|_norm' -> Q4_K\); nothing is "
+                                            r"written$") as refused:
         plan_quantization(K31_TENSORS, p, strict=True)
+    assert [line.split(" names ")[1].split(" protected")[0] for line in refused.value.details] == ["2", "3", "1"]
+
+
+def test_strict_names_every_colliding_rule_one_line_each():
+    """Rules aimed at the MXFP4 experts and at the K3.1 indexer: --strict names both rules, each with what it
+    would have hit (how many, the first names) and why that is protected; the notes without --strict are the
+    same lines."""
+    p = policy('default = "Q8_0"\n[[rules]]\npattern = "_exps"\ntype = "Q4_K"\n'
+               '[[rules]]\npattern = "indexer\\\\."\ntype = "Q8_0"\n')
+    with pytest.raises(StrictError) as refused:
+        plan_quantization(K31_TENSORS, p, strict=True)
+    e = refused.value
+    # in the order the file's tensors first meet them
+    assert str(e) == ("--strict: 2 rule(s) name protected tensors (indexer, llama.cpp, mxfp4): "
+                      "p.toml:6 ('indexer\\\\.' -> Q8_0); p.toml:3 ('_exps' -> Q4_K); nothing is written")
+    indexer = ["blk.3.indexer.attn_q_b.weight", "blk.3.indexer.attn_k.weight", "blk.3.indexer.proj.weight"]
+    lines = [(line.split(";")[0], line.split("; protected ")[1].split(":")[0]) for line in e.details]
+    assert lines == [
+        (f"rule p.toml:6 ('indexer\\\\.' -> Q8_0) names 3 protected tensor(s): {', '.join(indexer)}", "(indexer)"),
+        ("rule p.toml:6 ('indexer\\\\.' -> Q8_0) names 1 protected tensor(s): blk.3.indexer.k_norm.weight",
+         "(llama.cpp)"),
+        ("rule p.toml:3 ('_exps' -> Q4_K) names 1 protected tensor(s): blk.1.ffn_up_exps.weight", "(mxfp4)")]
+    assert e.details == [g.describe() for g in plan_quantization(K31_TENSORS, p).conflict_groups]
+
+
+def test_a_conflict_line_counts_past_the_names_it_shows():
+    many = [(f"blk.{i}.ffn_up_exps.weight", (16, 96, 288), QT.MXFP4) for i in range(1, 6)]
+    (line,) = plan_quantization(many, policy('default = "Q8_0"\n[[rules]]\npattern = "exps"\ntype = "Q4_K"\n'))\
+        .conflict_groups
+    assert line.describe().startswith("rule p.toml:3 ('exps' -> Q4_K) names 5 protected tensor(s): blk.1.ffn_up_exps."
+                                      "weight, blk.2.ffn_up_exps.weight, blk.3.ffn_up_exps.weight and 2 more; "
+                                      "protected (mxfp4): MXFP4 experts")
 
 
 def test_mxfp4_experts_requantized_only_with_allow_requantize():

@@ -108,8 +108,11 @@ def test_k31_indexer_protected_under_a_policy_aimed_at_it(tmp_path):
     src = tmp_path / "k31.gguf"
     convert(build_plan(hf, "bf16"), src)
     aimed = policy('default = "Q4_K"\n[[rules]]\npattern = "indexer"\ntype = "Q8_0"\n')
-    with pytest.raises(QuantizeError, match=r"--strict: blk\.\d+\.indexer\..* protected \(indexer\)"):
+    with pytest.raises(QuantizeError, match=r"--strict: 1 rule\(s\) name protected tensors \(indexer, llama\.cpp\): "
+                                            r"test\.toml:3 \('indexer' -> Q8_0\)") as refused:
         quantize_file(src, tmp_path / "strict.gguf", aimed, strict=True)
+    assert [line.split("; protected ")[1].split(":")[0] for line in refused.value.details] == ["(indexer)",
+                                                                                              "(llama.cpp)"]
     assert not (tmp_path / "strict.gguf").exists()
     result = quantize_file(src, tmp_path / "q.gguf", aimed, allow_requantize=True)
     before, after = open_gguf(src).tensors, open_gguf(result.paths[0]).tensors

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import resource
 import signal
 import subprocess
@@ -97,7 +98,7 @@ CASES = {
     "mismatched imatrix": (lambda t, s: ["--policy", "q8_0", "--imatrix", _mismatched_imatrix(t, s), s],
                            ["blk.0.attn_q.weight"]),
     "strict": (lambda t, s: ["--policy", "q8_0", "--strict", "--tensor-type", "exps=q4_k", s],
-               ["--strict", "protected (mxfp4)"]),
+               ["--strict", "1 rule(s) name protected tensors (mxfp4)", "--tensor-type exps=q4_k ('exps' -> Q4_K)"]),
     # the header counts 0 tensors: the keys still parse, and an empty "model" came out with exit 0
     "no tensors": (lambda t, s: ["--policy", "q8_0", _write(t / "none.gguf", _no_tensors(s.read_bytes()))],
                    ["none.gguf", "holds no tensors", "kimi-k3 GGUF with no tensors is not a model"]),
@@ -167,3 +168,47 @@ def test_sigterm_mid_write_leaves_nothing(src, out_dir):
     assert p.returncode == 128 + signal.SIGTERM, err
     assert "interrupted by SIGTERM; nothing was written" in err and "Traceback" not in err
     assert list(out_dir.iterdir()) == []
+
+
+# rules aimed at the MXFP4 experts and at the K3.1 indexer (whose k_norm, 1-D, is llama.cpp's to keep)
+AIMED_AT_PROTECTED = 'default = "Q8_0"\n[[rules]]\npattern = "_exps"\ntype = "Q4_K"\n' \
+                     '[[rules]]\npattern = "indexer\\\\."\ntype = "Q8_0"\n'
+
+
+def protected_lines(policy: Path, tensors: list[tuple[str, object]]) -> set[str]:
+    """The start of each line a run must print for AIMED_AT_PROTECTED, from (name, type) in the file's order:
+    the rule (file:line, pattern, type), how many tensors it names, the first three, the protection."""
+    def line(origin: str, rule: str, names: list[str], protection: str) -> str:
+        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+        return (f"rule {policy}:{origin} ({rule}) names {len(names)} protected tensor(s): {', '.join(names[:3])}"
+                f"{more}; protected ({protection}): ")
+    experts = [n for n, t in tensors if n.endswith("_exps.weight") and t.name == "MXFP4"]
+    indexer = [n for n, _ in tensors if ".indexer." in n and n.endswith(("attn_q_b.weight", "attn_k.weight",
+                                                                           "proj.weight"))]
+    k_norm = [n for n, _ in tensors if ".indexer.k_norm." in n]          # weight and bias: 1-D
+    assert experts and indexer and k_norm
+    return {line("3", "'_exps' -> Q4_K", experts, "mxfp4"), line("6", "'indexer\\\\.' -> Q8_0", indexer, "indexer"),
+            line("6", "'indexer\\\\.' -> Q8_0", k_norm, "llama.cpp")}
+
+
+def printed(stderr: str, prefix: str) -> set[str]:
+    """The lines after `prefix`, each cut after its protection's name (where the reason's text starts)."""
+    return {re.match(r".*?; protected \([^)]*\): ", line[len(prefix):])[0]
+            for line in stderr.splitlines() if line.startswith(prefix)}
+
+
+def test_strict_names_every_colliding_rule(converted, tmp_path, out_dir):
+    """--strict on a policy whose rules aim at the MXFP4 experts and at the K3.1 indexer: a line for each rule and
+    protection (not only the first), then the one error line; exit 1, nothing written. Without --strict, the same
+    lines are notes."""
+    src = converted("k31")
+    pol = policy_file(tmp_path, AIMED_AT_PROTECTED)
+    want = protected_lines(pol, [(n, t.qtype) for n, t in open_gguf(src).tensors.items()])
+    r = quantize("--policy", pol, "--strict", src, out_dir / "q.gguf")
+    assert_fails_cleanly(out_dir, r, "--strict: 2 rule(s) name protected tensors", f"{pol}:3 ('_exps' -> Q4_K)",
+                         f"{pol}:6 ('indexer\\\\.' -> Q8_0)", "nothing is written")
+    assert printed(r.stderr, "refused: ") == want, r.stderr
+    assert r.stderr.index("refused: ") < r.stderr.index("error: ")
+    notes = quantize("--policy", pol, src, "--dry-run")
+    assert notes.returncode == 0, notes.stderr
+    assert printed(notes.stderr, "note: ") == printed(r.stderr, "refused: "), notes.stderr

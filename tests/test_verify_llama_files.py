@@ -54,16 +54,21 @@ Field = tuple[Any, VT, "VT | None"]          # value, type, array element type
 
 
 def rewrite(src, dst, *, field: Callable[[str, Field], Field] = lambda name, f: f,
-            raw: Callable[[str, np.ndarray], np.ndarray] = lambda name, a: a):
+            raw: Callable[[str, np.ndarray], np.ndarray] = lambda name, a: a, keys: dict | None = None):
     """src copied through gguf's own writer, every key with its type and every tensor's bytes, with
-    `field` and `raw` free to change a key or the stored shape of a tensor's bytes."""
+    `field` and `raw` free to change a key or the stored shape of a tensor's bytes, and `keys`
+    (name -> Field, or None) to set, add or drop keys."""
+    keys = keys or {}
     r = GGUFReader(src)
     w = GGUFWriter(dst, r.fields["general.architecture"].contents())
     for name, f in r.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
+        if name.startswith("GGUF.") or name == "general.architecture" or name in keys:
             continue
         main = VT(f.types[0])
         w.add_key_value(name, *field(name, (f.contents(), main, VT(f.types[-1]) if main == VT.ARRAY else None)))
+    for name, f in keys.items():
+        if f is not None:
+            w.add_key_value(name, *f)
     for name, t in open_gguf(src).tensors.items():
         data = raw(name, np.array(t.raw))
         w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=t.qtype)
@@ -201,3 +206,125 @@ def test_llama_quantize_of_llama_cpps_conversion_passes(tmp_path, k3_dir):
     assert report.ok, failures(report)
     assert report.part("tensors").figures["by_mode"]["quantized"] > 0
     assert verify(q, length=N).ok
+
+
+# ------------------------------------------------------------------------------------
+# special token ids: the checkpoint's config, in our files and in llama.cpp's alike
+
+EOS, EOT, UNK = "tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.unknown_token_id"
+BOS, PAD = "tokenizer.ggml.bos_token_id", "tokenizer.ggml.padding_token_id"
+
+
+@pytest.fixture(scope="module")
+def made_by(tmp_path_factory, converted, k3_dir):
+    """maker -> the k3 fixture converted by us or by llama.cpp's convert_hf_to_gguf.py."""
+    upstream = upstream_convert(k3_dir, tmp_path_factory.mktemp("upstream-bf16") / "upstream.gguf", "bf16")
+    return {"ours": converted("k3", "bf16"), "llama.cpp": upstream}
+
+
+def config_ids(hf_dir) -> dict:
+    """What the checkpoint's own files say, read here from the JSON (not through the converter)."""
+    import json
+    config = json.loads((hf_dir / "config.json").read_text())
+    tok = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    text = {int(i): e["content"] for i, e in tok["added_tokens_decoder"].items()}
+    ids = {kind: config["text_config"][f"{kind}_token_id"] for kind in ("bos", "eos", "pad")}
+    return {"ids": ids, "text": text, "id_of": {t: i for i, t in text.items()}}
+
+
+@pytest.mark.parametrize("maker", ["ours", "llama.cpp"])
+def test_an_eos_that_is_not_end_of_msg_fails(tmp_path, made_by, k3_dir, maker):
+    """The converter bug that makes chat never stop: eos = the tokenizer's [EOS] (kimi-linear's choice), not
+    config.json's <|end_of_msg|>. Fails against the checkpoint and on its own, through the CLI (exit 1)."""
+    c = config_ids(k3_dir)
+    eos, wrong = c["ids"]["eos"], c["id_of"]["[EOS]"]
+    assert c["text"][eos] == "<|end_of_msg|>" and open_gguf(made_by[maker]).fields[EOS] == eos
+    bad = rewrite(made_by[maker], tmp_path / "eos.gguf", keys={EOS: (wrong, VT.UINT32, None)})
+    line = f"{EOS}: {wrong} ('[EOS]'), expected {eos} ('<|end_of_msg|>') from "
+    for args, source in (([str(k3_dir), str(bad)], "config.json eos_token_id"), ([str(bad)], "Kimi-K3's tokenizer")):
+        res = CliRunner().invoke(app, ["check", *args, "--length", str(N)])
+        assert res.exit_code == 1 and line + source in res.output and "FAIL" in res.output, res.output
+
+
+@pytest.mark.parametrize("maker", ["ours", "llama.cpp"])
+@pytest.mark.parametrize("case", ["bos is [PAD]", "pad is eos", "eot is [EOS]", "unk outside", "unk not [UNK]",
+                                  "eos missing", "eos as INT32"])
+def test_every_special_id_is_the_checkpoints(tmp_path, made_by, k3_dir, maker, case):
+    """Each special-token key against config.json's id (or, where the config names none, tokenizer_config.json's
+    token), and on its own against Kimi-K3's token texts: the key, the id found, the id expected, the texts."""
+    c = config_ids(k3_dir)
+    bos, eos, pad = (c["ids"][k] for k in ("bos", "eos", "pad"))
+    n, unk, eos_tok = len(open_gguf(made_by[maker]).fields["tokenizer.ggml.tokens"]), c["id_of"]["[UNK]"], \
+        c["id_of"]["[EOS]"]
+    t = c["text"]
+    u32 = VT.UINT32
+    keys, with_ckpt, alone = {
+        "bos is [PAD]": ({BOS: (pad, u32, None)},
+                         [f"{BOS}: {pad} ('[PAD]'), expected {bos} ('[BOS]') from config.json bos_token_id"],
+                         [f"{BOS}: {pad} ('[PAD]'), expected {bos} ('[BOS]') from Kimi-K3's tokenizer"]),
+        "pad is eos": ({PAD: (eos, u32, None)},
+                       [f"{PAD}: {eos} ('<|end_of_msg|>'), expected {pad} ('[PAD]') from config.json pad_token_id"],
+                       [f"{PAD}: {eos} ('<|end_of_msg|>'), expected {pad} ('[PAD]') from Kimi-K3's tokenizer"]),
+        # neither converter writes an eot; one that does must name the turn terminator, the config's eos
+        "eot is [EOS]": ({EOT: (eos_tok, u32, None)},
+                         [f"{EOT}: {eos_tok} ('[EOS]'), expected {eos} ('<|end_of_msg|>') from config.json eos_token_id"],
+                         [f"{EOT}: {eos_tok} ('[EOS]'), expected {eos} ('<|end_of_msg|>') from Kimi-K3's tokenizer"]),
+        "unk outside": ({UNK: (n, u32, None)},
+                        [f"{UNK}: {n} is outside the vocabulary of {n} tokens, expected {unk} ('[UNK]') from "
+                         f"tokenizer_config.json unk_token"],
+                        [f"{UNK}: {n} is outside the vocabulary of {n} tokens, expected an id of the vocabulary "
+                         f"of {n} tokens"]),
+        "unk not [UNK]": ({UNK: (bos, u32, None)},
+                          [f"{UNK}: {bos} ('[BOS]'), expected {unk} ('[UNK]') from tokenizer_config.json unk_token"],
+                          []),          # Kimi-K3's unk text is not in the references: only its range is checked
+        "eos missing": ({EOS: None},
+                        [f"{EOS}: missing, expected {eos} ('<|end_of_msg|>') from config.json eos_token_id"],
+                        [f"{EOS}: missing, expected {eos} ('<|end_of_msg|>') from Kimi-K3's tokenizer"]),
+        "eos as INT32": ({EOS: (eos, VT.INT32, None)},
+                         [f"{EOS}: {eos} stored as INT32, llama.cpp reads it only as UINT32; expected {eos} "
+                          f"('<|end_of_msg|>') from config.json eos_token_id"],
+                         [f"{EOS}: {eos} stored as INT32, llama.cpp reads it only as UINT32; expected {eos} "
+                          f"('<|end_of_msg|>') from Kimi-K3's tokenizer"]),
+    }[case]
+    assert (t[bos], t[pad], t[unk]) == ("[BOS]", "[PAD]", "[UNK]")
+    bad = rewrite(made_by[maker], tmp_path / "bad.gguf", keys=keys)
+    assert failures(verify(bad, k3_dir, length=N)) == {"metadata": with_ckpt}
+    assert failures(verify(bad, length=N)) == ({"metadata": alone} if alone else {})
+
+
+# ------------------------------------------------------------------------------------
+# GGUF strings are UTF-8: every string key and every element of a string array
+
+def string_element_offset(path, key: str, index: int) -> int:
+    """File offset of element `index` of the string array `key`, walked here from gguf's own reader's field offset
+    (key length, key, type, element type, count, then per string its length and bytes)."""
+    f = GGUFReader(path).fields[key]
+    with open(path, "rb") as fh:
+        fh.seek(f.offset)
+        head = fh.read(8)
+        at = f.offset + 8 + int.from_bytes(head, "little") + 4 + 4 + 8
+        for _ in range(index):
+            fh.seek(at)
+            at += 8 + int.from_bytes(fh.read(8), "little")
+    return at + 8
+
+
+@pytest.mark.parametrize("maker", ["ours", "llama.cpp"])
+def test_a_merge_that_is_not_utf8_fails(tmp_path, made_by, k3_dir, maker):
+    """One byte of a merge set to 0x80 (a continuation byte where a character starts): the file is no GGUF, whose
+    strings are UTF-8. The structure part names the key, the element and the byte's file offset; exit 1."""
+    src = made_by[maker]
+    merges = open_gguf(src).fields["tokenizer.ggml.merges"]
+    index = 99
+    at = string_element_offset(src, "tokenizer.ggml.merges", index)
+    data = bytearray(src.read_bytes())
+    assert data[at:at + len(merges[index].encode())] == merges[index].encode()
+    data[at] = 0x80
+    bad = tmp_path / "merge.gguf"
+    bad.write_bytes(bytes(data))
+    line = (f"{bad}: key tokenizer.ggml.merges: element {index} (string {index + 1} of {len(merges)}) is not valid "
+            f"UTF-8 (invalid start byte: byte 0x80 at byte 0 of it, file offset {at})")
+    for args in ([str(bad)], [str(k3_dir), str(bad)]):
+        res = CliRunner().invoke(app, ["check", *args, "--length", str(N)])
+        assert res.exit_code == 1 and line in res.output, res.output
+    assert failures(verify(bad, length=N)) == {"structure": [line]}

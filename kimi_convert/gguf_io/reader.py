@@ -7,7 +7,9 @@ returns the same values for every file both accept (tests/test_gguf_reader.py ch
 every fault into one CheckpointError line naming the file and the key, tensor or field:
 - every count and length is checked against the bytes left before anything is read or allocated;
 - GGUF versions 2 and 3 only, little-endian (as llama.cpp); keys non-empty, unique, valid UTF-8;
-  known value types; no arrays of arrays (llama.cpp refuses them); string values valid UTF-8;
+  known value types; no arrays of arrays (llama.cpp refuses them); string values and every element of a
+  string array valid UTF-8 (GGUF strings are UTF-8), each checked as it is decoded: a fault names the key, the
+  element, the bad byte and its file offset;
 - `general.alignment`, if present, a UINT32 power of two;
 - tensor names unique (in all parts of a split file), valid UTF-8, shorter than 64 bytes (ggml's
   GGML_MAX_NAME); n_dims 1..4; dims positive with a product within int64; known ggml types; rows
@@ -252,11 +254,16 @@ class _Cursor:
         return s
 
 
-def _utf8(raw: bytes, what: str) -> str:
+def _utf8(raw: bytes, what: str, offset: int) -> str:
+    """raw (read from file offset `offset`) as text; a fault names what it is and where the bad byte is."""
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise _Fault(f"{what} is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+        raise _Fault(f"{what} is not valid UTF-8 ({_bad_byte(raw, e, offset)})") from None
+
+
+def _bad_byte(raw: bytes, e: UnicodeDecodeError, offset: int) -> str:
+    return f"{e.reason}: byte 0x{raw[e.start]:02x} at byte {e.start} of it, file offset {offset + e.start}"
 
 
 def _read_header(cur: _Cursor) -> tuple[int, int, int]:
@@ -283,7 +290,8 @@ def _read_kvs(cur: _Cursor, n_kv: int) -> tuple[dict[str, Any], dict[str, ValueT
     types: dict[str, ValueTypes] = {}
     for i in range(n_kv):
         where = f"key {i + 1} of {n_kv}"
-        key = _utf8(cur.raw_string(f"{where}: the name"), f"{where}: the name")
+        raw = cur.raw_string(f"{where}: the name")
+        key = _utf8(raw, f"{where}: the name", cur.pos - len(raw))
         if not key:
             raise _Fault(f"{where}: the name is empty")
         if key in fields:
@@ -318,7 +326,8 @@ def _read_scalar(cur: _Cursor, vtype: VT, where: str, key: str) -> Any:
         except UnicodeDecodeError as e:
             if key in CUT_STRING_KEYS and e.end == len(raw) and e.reason == "unexpected end of data":
                 return raw              # cut inside its last character: kept as the bytes it is
-            raise _Fault(f"{where}: the string is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+            raise _Fault(f"{where}: the string is not valid UTF-8 ({_bad_byte(raw, e, cur.pos - len(raw))})") \
+                from None
     if vtype == VT.BOOL:
         cur.need(1, f"{where}: the value")
         cur.pos += 1
@@ -365,7 +374,8 @@ def _read_strings(cur: _Cursor, n: int, where: str) -> list[str]:
         try:
             append(raw.decode("utf-8"))
         except UnicodeDecodeError as e:
-            raise _Fault(f"{where}: string {i + 1} of {n} is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+            raise _Fault(f"{where}: element {i} (string {i + 1} of {n}) is not valid UTF-8 "
+                         f"({_bad_byte(raw, e, pos - length)})") from None
     cur.pos = pos
     return out
 
@@ -401,11 +411,12 @@ def _read_tensor_infos(cur: _Cursor, n_tensors: int, alignment: int) -> _Infos:
         if length > size - pos - 8:
             cur.pos = pos + 8
             cur.need(length, f"tensor {i + 1} of {n_tensors}: the name")
+        raw = buf[pos + 8:pos + 8 + length]
         try:
-            name = buf[pos + 8:pos + 8 + length].decode("utf-8")
+            name = raw.decode("utf-8")
         except UnicodeDecodeError as e:
             raise _Fault(f"tensor {i + 1} of {n_tensors}: the name is not valid UTF-8 "
-                         f"({e.reason} at byte {e.start})") from None
+                         f"({_bad_byte(raw, e, pos + 8)})") from None
         pos += 8 + length
         if name in infos:
             raise _Fault(f"tensor {_shown(name)}: appears twice")

@@ -33,6 +33,19 @@ class QuantizeError(KimiError):
     """The plan cannot be carried out as asked; the message names the tensor."""
 
 
+class StrictError(QuantizeError):
+    """--strict and rules that name protected tensors: the message names every rule; `details` holds one line per
+    rule and protection (ConflictGroup.describe), which the commands print before their error line."""
+
+    def __init__(self, groups: list["ConflictGroup"]):
+        rules = list(dict.fromkeys(g.rule.describe() for g in groups))
+        kinds = ", ".join(dict.fromkeys(g.protection.kind for g in groups))
+        super().__init__(f"--strict: {len(rules)} rule(s) name protected tensors ({kinds}): {'; '.join(rules)}; "
+                         f"nothing is written")
+        self.groups = groups
+        self.details = [g.describe() for g in groups]
+
+
 @dataclass(frozen=True)
 class Decision:
     name: str
@@ -72,11 +85,41 @@ class Conflict:
                 f"{self.protection.why}")
 
 
+SHOWN_NAMES = 3         # tensor names a conflict line shows; the count says how many more
+
+
+@dataclass(frozen=True)
+class ConflictGroup:
+    """Every tensor one rule names that one protection keeps: a line of the report."""
+    rule: Rule
+    protection: Protection
+    tensors: tuple[str, ...]
+
+    def describe(self) -> str:
+        names = ", ".join(self.tensors[:SHOWN_NAMES])
+        more = len(self.tensors) - SHOWN_NAMES
+        return (f"rule {self.rule.describe()} names {len(self.tensors)} protected tensor(s): {names}"
+                f"{f' and {more} more' if more > 0 else ''}; protected ({self.protection.kind}): "
+                f"{self.protection.why}")
+
+
+def group_conflicts(conflicts: Iterable[Conflict]) -> list[ConflictGroup]:
+    """The conflicts by (rule, protection), in the order each group first appears (the file's tensor order)."""
+    groups: dict[tuple[Rule, Protection], list[str]] = {}
+    for c in conflicts:
+        groups.setdefault((c.rule, c.protection), []).append(c.tensor)
+    return [ConflictGroup(rule, guard, tuple(names)) for (rule, guard), names in groups.items()]
+
+
 @dataclass
 class QuantPlan:
     decisions: list[Decision]
     conflicts: list[Conflict] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+
+    @property
+    def conflict_groups(self) -> list[ConflictGroup]:
+        return group_conflicts(self.conflicts)
 
     @property
     def target_bytes(self) -> int:
@@ -99,7 +142,7 @@ def plan_quantization(tensors: Iterable[tuple[str, tuple[int, ...], QT]], policy
         if conflict is not None:
             plan.conflicts.append(conflict)
     if strict and plan.conflicts:
-        raise QuantizeError(f"--strict: {plan.conflicts[0].describe()} ({len(plan.conflicts)} such rule matches)")
+        raise StrictError(plan.conflict_groups)
     requantized = [d for d in plan.decisions if d.requantized]
     if requantized:
         plan.warnings.append(f"{len(requantized)} tensor(s) already quantized are re-quantized (dequantized, then "
