@@ -3,8 +3,11 @@
 - llama.cpp's snapshots (tests/snapshots/*.schema of the pinned tree, unpacked by .ci/install-interop.sh): every
   file type of every model whose rules need no arch-specific branch, type for type;
 - llama.cpp's code itself (llama_quant_compute_types through ctypes, src/llama-ext.h) on the real kimi-k3 tensor
-  list, for every file type, with K3's facts and with facts that turn the n_expert == 8 and n_gqa() >= 4 rules on.
-The byte parity of whole files is tests/test_interop_mixtures.py.
+  list, for every file type, with K3's facts and with facts that turn the n_expert == 8 and n_gqa() >= 4 rules on;
+  on the real kimi-k31 list, where the indexer stays as it is;
+- the policy names (did you mean), --explain's rule names, and the refusals before writing (a type not writable
+  yet, a missing imatrix or imatrix entry, --tensor-type with a float file type), from the command line.
+The byte parity of whole files is tests/test_interop_mixtures.py, the one pass tests/test_one_pass.py.
 """
 from __future__ import annotations
 
@@ -15,15 +18,20 @@ from functools import lru_cache
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from kimi_convert.fixtures.make_checkpoint import build_config
+from kimi_convert.convert import build_plan, convert
+from kimi_convert.fixtures.imatrix import k3_entries, write_gguf_imatrix
+from kimi_convert.fixtures.make_checkpoint import build_config, make_checkpoint
 from kimi_convert.fixtures.real_size import REAL_VISION, real_spec
+from kimi_convert.gguf_io import open_gguf
 from kimi_convert.interop import llama_quant_types
 from kimi_convert.interop.llama_cpp_convert import upstream_snapshots
 from kimi_convert.model import KimiConfig
 from kimi_convert.quant.mixtures import FILE_TYPES, ModelFacts
 from kimi_convert.quant.plan import plan_quantization
-from kimi_convert.quant.policy import mixture_policy
+from kimi_convert.quant.policy import load_policy, mixture_policy
 from kimi_convert.tensor_map import gguf_tensor_types
+from test_convert_errors import assert_fails_cleanly
+from test_quantize_cli import quantize
 
 PLANNABLE = [ft for ft in FILE_TYPES.values() if not ft.unavailable]      # all but Q2_0 (gguf 0.19.0 lacks it)
 
@@ -147,3 +155,123 @@ def test_types_equal_llama_quant_compute_types_on_real_k3(n_expert, n_head_kv):
         wrong += [f"[{ftype.name}] {n}: ours {ours[n].target.name}, llama.cpp {QT(t).name} ({ours[n].why})"
                   for n, t in expected.items() if QT(t) != ours[n].target]
     assert not wrong, f"{len(wrong)} differ:\n" + "\n".join(wrong[:20])
+
+
+def test_k31_indexer_stays_as_it_is_where_llama_quantize_would_quantize_it():
+    """The real K3.1 tensors: llama.cpp's choice (its kimi-k3 rules; the pinned build has no kimi-k31) quantizes
+    the indexer; ours keeps it, and decides every other tensor as llama.cpp does."""
+    config = replace(KimiConfig.from_hf(build_config(real_spec("k31"), REAL_VISION)), experts_mxfp4=False)
+    tensors = gguf_tensor_types(config)
+    ftypes = [FILE_TYPES[n] for n in ("Q4_K_M", "IQ3_XS", "Q2_K")]
+    theirs = llama_quant_types("kimi-k3", [(n, s) for n, s, _ in tensors], [ft.ftype for ft in ftypes],
+                               n_layer=config.n_layer, n_head=config.n_head, n_head_kv=0, n_expert=config.n_expert)
+    for ftype in ftypes:
+        decisions = {d.name: d for d in plan_quantization(tensors, mixture_policy(ftype),
+                                                          model=ModelFacts.of(config)).decisions}
+        indexer = [n for n in theirs[ftype.ftype] if ".indexer." in n]
+        assert len(indexer) == 3 * 24
+        for n, t in theirs[ftype.ftype].items():
+            if ".indexer." in n:
+                assert QT(t) != QT.BF16 and decisions[n].copied and decisions[n].protection.kind == "indexer", n
+            else:
+                assert decisions[n].target == QT(t), (ftype.name, n, decisions[n].why)
+
+
+# ------------------------------------------------------------------------------------ policies and the command line
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """A 4-layer K3 with BF16 experts and rows of 256, its imatrix, and one that lacks blk.0.attn_q's entry."""
+    d = tmp_path_factory.mktemp("mixture-cli")
+    hf = make_checkpoint(d / "Kimi-K3-tiny", arch="k3", n_layers=4, experts_mxfp4=False, hidden=256,
+                         moe_intermediate_size=256, routed_expert_hidden_size=256, intermediate_size=512, seed=3)
+    src = d / "k3.gguf"
+    convert(build_plan(hf, "bf16"), src)
+    entries = k3_entries({n: t.shape for n, t in open_gguf(src).tensors.items()}, seed=5)
+    full = write_gguf_imatrix(d / "full.imatrix.gguf", entries)
+    del entries["blk.0.attn_q.weight"]
+    holed = write_gguf_imatrix(d / "holed.imatrix.gguf", entries)
+    return src, full, holed
+
+
+@pytest.fixture
+def out_dir(tmp_path):
+    d = tmp_path / "out"
+    d.mkdir()
+    return d
+
+
+@pytest.mark.parametrize("name,needles", [
+    ("q4_k_m", ["q4_k_m: no such preset; did you mean llama-quantize's mixture Q4_K_M?", "upper case"]),
+    ("K3-Q4", ["K3-Q4: no such file type; did you mean the preset k3-q4?"]),
+    ("Q9_K", ["Q9_K: no such policy file or preset", "presets: k3-native", "mixtures: Q1_0, Q2_0"]),
+    ("Q2_0", ["Q2_0: llama-quantize's Q2_0 makes ggml type Q2_0 (id 42), which gguf 0.19.0", "cannot be planned"]),
+])
+def test_a_name_of_the_other_kind_is_refused_with_what_it_may_mean(files, out_dir, name, needles):
+    src, _, _ = files
+    assert_fails_cleanly(out_dir, quantize("--policy", name, src, out_dir / "q.gguf"), *needles)
+
+
+def test_preset_and_file_type_of_one_spelling_are_two_policies():
+    """`q8_0` is our preset (pure Q8_0, no mixture), `Q8_0` llama-quantize's file type (its mixture)."""
+    assert load_policy("q8_0").mixture is None and load_policy("q8_0").source == "preset q8_0"
+    assert load_policy("Q8_0").mixture is FILE_TYPES["Q8_0"] and load_policy("Q8_0").source == "mixture Q8_0"
+    assert load_policy("Q4_K").mixture.rules == "Q4_K_M" and load_policy("Q4_K").mixture.ftype == 15
+
+
+def test_explain_names_the_mixture_rule(files):
+    src, _, _ = files
+    r = quantize("--policy", "Q4_K_M", src, "--explain")
+    assert r.returncode == 0, r.stderr
+    lines = {line.split()[0]: line for line in r.stdout.splitlines()[1:]}
+    assert r.stdout.startswith("# mixture Q4_K_M: llama-quantize's Q4_K_M (general.file_type 15)")
+    # 4 layers: use_more_bits is true for layers 2 and 3 (7n/8 = 3, (i - n/8) % 3 == 2); attn_v #2 of 3 likewise
+    assert "BF16 -> Q6_K" in lines["blk.2.ffn_down_exps.weight"]
+    assert lines["blk.2.ffn_down_exps.weight"].endswith("llama-quantize Q4_K_M: ffn_down, use_more_bits(layer 2 of 4)")
+    assert lines["blk.1.ffn_down_exps.weight"].endswith("llama-quantize Q4_K_M: ffn_down: the default Q4_K")
+    assert lines["blk.2.attn_v.weight"].endswith("llama-quantize Q4_K_M: attn_v, use_more_bits(attn_v 2 of 3)")
+    assert lines["output.weight"].endswith("llama-quantize Q4_K_M: output: Q6_K")
+    assert "llama-quantize Q4_K_M: other (no rule): the default Q4_K; row length 16 is not a multiple of 256: Q4_K -> F16" \
+        in lines["blk.0.ssm_f_b.weight"]
+    assert "protected (llama.cpp)" in lines["blk.0.attn_norm.weight"]
+
+
+def test_a_type_not_writable_yet_plans_and_is_refused_before_writing(files, out_dir):
+    src, _, _ = files
+    r = quantize("--policy", "TQ1_0", src, "--explain")
+    assert r.returncode == 0, r.stderr
+    assert "BF16 -> TQ1_0" in next(x for x in r.stdout.splitlines() if x.startswith("blk.0.attn_q.weight "))
+    assert "BF16 -> Q4_K" in next(x for x in r.stdout.splitlines() if x.startswith("token_embd.weight "))
+    assert "note: writing this plan is refused: blk.0.attn_q.weight: TQ1_0 cannot be written yet" in r.stderr
+    d = quantize("--policy", "TQ1_0", src, "--dry-run")
+    assert d.returncode == 0 and "TQ1_0" in d.stdout and "n/a" in d.stdout, d.stderr
+    r = quantize("--policy", "TQ1_0", src, out_dir / "q.gguf")
+    assert_fails_cleanly(out_dir, r, "blk.0.attn_q.weight: TQ1_0 cannot be written yet (BF16 -> TQ1_0)",
+                         "kimi-quantize writes F32, F16, BF16, Q8_0")
+    r = quantize("--policy", "MXFP4_MOE", src, out_dir / "q.gguf")
+    assert_fails_cleanly(out_dir, r, "blk.1.ffn_gate_exps.weight: MXFP4 cannot be written yet (BF16 -> MXFP4)")
+
+
+def test_imatrix_requirements_as_llama_quantize(files, out_dir):
+    src, full, holed = files
+    assert_fails_cleanly(out_dir, quantize("--policy", "Q2_K_S", src, out_dir / "q.gguf"),
+                         "mixture Q2_K_S requires --imatrix FILE (llama-quantize's tensor_requires_imatrix, Q2_K)")
+    r = quantize("--policy", "Q2_K_S", src, "--explain")
+    assert r.returncode == 0 and "writing the file needs --imatrix FILE too" in r.stderr, r.stderr
+    assert "writing this plan is refused: blk.0.attn_q.weight: Q2_K needs an importance matrix" in r.stderr
+    # an entry missing for a tensor whose type needs one: refused, naming it; token_embd (Q2_K, no entry) is exempt
+    r = quantize("--policy", "Q2_K_S", src, out_dir / "q.gguf", "--imatrix", holed)
+    assert_fails_cleanly(out_dir, r, f"{holed} has no entry for 1 tensor(s) whose type needs one",
+                         "blk.0.attn_q.weight")
+    r = quantize("--policy", "Q2_K_S", src, out_dir / "q.gguf", "--imatrix", full)
+    assert r.returncode == 0, r.stderr
+    assert open_gguf(out_dir / "q.gguf").tensors["token_embd.weight"].qtype == QT.Q2_K
+    assert open_gguf(out_dir / "q.gguf").fields["general.file_type"] == 21
+
+
+def test_float_file_type_takes_no_tensor_type(files, out_dir):
+    """llama-quantize applies no --tensor-type to F16/BF16/F32 files: refused here rather than ignored."""
+    src, _, _ = files
+    r = quantize("--policy", "F16", src, out_dir / "q.gguf", "--tensor-type", "exps=q8_0")
+    assert_fails_cleanly(out_dir, r, "--tensor-type exps=q8_0: mixture F16 is a float file type",
+                         'default = "F16"')

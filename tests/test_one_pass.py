@@ -147,7 +147,7 @@ def assert_identical(one: Path, two: Path) -> None:
 
 
 CASES = [(arch, pol, imat) for arch in ("k3", "k31") for pol in ("q8_0", 'default = "Q4_K"', "mixed")
-         for imat in (False, True)]
+         for imat in (False, True)] + [("k3", "Q4_K_M", False), ("k31", "Q2_K_S", True)]    # llama-quantize mixtures
 
 
 @pytest.mark.parametrize("arch,spec,with_imatrix", CASES,

@@ -307,7 +307,8 @@ class Mixture:
         return self._default(cat)
 
     def _default(self, cat: str) -> Choice:
-        return self.ftype.default, f"{cat}: the default {self.ftype.default.name}"
+        what = "other (no rule)" if cat == OTHER else cat
+        return self.ftype.default, f"{what}: the default {self.ftype.default.name}"
 
     def _rule(self, cat: str, target: QT | None, why: str) -> Choice:
         return (target, why) if target is not None else self._default(cat)
