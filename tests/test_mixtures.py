@@ -275,3 +275,18 @@ def test_float_file_type_takes_no_tensor_type(files, out_dir):
     r = quantize("--policy", "F16", src, out_dir / "q.gguf", "--tensor-type", "exps=q8_0")
     assert_fails_cleanly(out_dir, r, "--tensor-type exps=q8_0: mixture F16 is a float file type",
                          'default = "F16"')
+
+
+def test_q1_0_has_no_shape_fallback(files):
+    """Q1_0's 128-value blocks do not fit the tiny fixture's 64-wide attn_output, and llama-quantize defines no
+    fallback for it: the plan stops at the first such tensor in llama-quantize's order (blk.0's attn_output comes
+    before its ssm_f_b there), naming it. On the real K3 every row is a multiple of 128."""
+    from kimi_convert.quant.driver import plan_file
+    from kimi_convert.quant.plan import QuantizeError
+    src, _, _ = files
+    with pytest.raises(QuantizeError, match=r"^blk\.0\.attn_output\.weight: rows of 64 values are not a multiple of "
+                                            r"Q1_0's block, and no shape fallback for Q1_0"):
+        plan_file(open_gguf(src), load_policy("Q1_0"))
+    config, tensors = real_k3()
+    plan = plan_quantization(tensors, load_policy("Q1_0"), model=ModelFacts.of(config))
+    assert {d.target for d in plan.decisions if not d.copied} == {QT.Q1_0, QT.Q6_K}     # output Q6_K

@@ -350,9 +350,10 @@ class Mixture:
         iq3 = ft in ("IQ2_S", "IQ2_M")
         if cat in ATTN_V_LIKE:
             self._count(ATTN_V)
+            facts = f"(n_gqa() {f.n_gqa}, n_expert {f.n_expert})"
             if f.n_gqa >= 4 or f.n_expert >= 4:
-                return QT.Q4_K, f"{cat}, n_gqa() {f.n_gqa} >= 4 or n_expert {f.n_expert} >= 4"
-            return (QT.IQ3_S if iq3 else QT.Q2_K), f"{cat}, few heads a KV head and few experts"
+                return QT.Q4_K, f"{cat}, n_gqa() >= 4 or n_expert >= 4 {facts}"
+            return (QT.IQ3_S if iq3 else QT.Q2_K), f"{cat}, n_gqa() < 4 and n_expert < 4 {facts}"
         if f.n_expert == 8 and cat == ATTN_K:
             return QT.Q4_K, "attn_k, 8 experts"
         if cat == FFN_DOWN:

@@ -95,8 +95,9 @@ class Policy:
         """Refuse a run that lacks what the policy `requires`: one PolicyError naming the policy, what is missing
         and where the policy says so. Call it before any heavy work.
 
-        plan_only (--explain, --dry-run): the imatrix changes the bytes, not the types or sizes, so it is not
-        demanded there; the returned notes say that writing will need it. --allow-requantize changes the plan
+        plan_only (--explain, --dry-run): a policy file's types and sizes do not depend on the imatrix (a
+        mixture's may: the plan is then the one without), so it is not demanded there; the returned notes say
+        that writing will need it. --allow-requantize changes the plan
         (without it the MXFP4 experts are protected), so it is demanded always."""
         given = {"imatrix": imatrix, "allow-requantize": allow_requantize}
         missing = [r for r in self.requires if not given[r]]
