@@ -30,7 +30,7 @@ from kimi_convert.quant.mixtures import FILE_TYPES, ModelFacts
 from kimi_convert.quant.plan import plan_quantization
 from kimi_convert.quant.policy import load_policy, mixture_policy
 from kimi_convert.tensor_map import gguf_tensor_types
-from test_convert_errors import assert_fails_cleanly
+from test_convert_errors import assert_fails_cleanly, run_cli
 from test_quantize_cli import quantize
 
 PLANNABLE = [ft for ft in FILE_TYPES.values() if not ft.unavailable]      # all but Q2_0 (gguf 0.19.0 lacks it)
@@ -181,7 +181,8 @@ def test_k31_indexer_stays_as_it_is_where_llama_quantize_would_quantize_it():
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    """A 4-layer K3 with BF16 experts and rows of 256, its imatrix, and one that lacks blk.0.attn_q's entry."""
+    """A 4-layer K3 with BF16 experts and rows of 256 (its checkpoint beside it, `hf`), its imatrix, and one that
+    lacks blk.0.attn_q's entry."""
     d = tmp_path_factory.mktemp("mixture-cli")
     hf = make_checkpoint(d / "Kimi-K3-tiny", arch="k3", n_layers=4, experts_mxfp4=False, hidden=256,
                          moe_intermediate_size=256, routed_expert_hidden_size=256, intermediate_size=512, seed=3)
@@ -231,8 +232,8 @@ def test_explain_names_the_mixture_rule(files):
     assert lines["blk.1.ffn_down_exps.weight"].endswith("llama-quantize Q4_K_M: ffn_down: the default Q4_K")
     assert lines["blk.2.attn_v.weight"].endswith("llama-quantize Q4_K_M: attn_v, use_more_bits(attn_v 2 of 3)")
     assert lines["output.weight"].endswith("llama-quantize Q4_K_M: output: Q6_K")
-    assert "llama-quantize Q4_K_M: other (no rule): the default Q4_K; row length 16 is not a multiple of 256: Q4_K -> F16" \
-        in lines["blk.0.ssm_f_b.weight"]
+    assert ("llama-quantize Q4_K_M: other (no rule): the default Q4_K; row length 16 is not a multiple of 256: "
+            "Q4_K -> F16") in lines["blk.0.ssm_f_b.weight"]
     assert "protected (llama.cpp)" in lines["blk.0.attn_norm.weight"]
 
 
@@ -290,3 +291,18 @@ def test_q1_0_has_no_shape_fallback(files):
     config, tensors = real_k3()
     plan = plan_quantization(tensors, load_policy("Q1_0"), model=ModelFacts.of(config))
     assert {d.target for d in plan.decisions if not d.copied} == {QT.Q1_0, QT.Q6_K}     # output Q6_K
+
+
+def test_kimi_convert_takes_the_mixture_names(files, out_dir):
+    """kimi-convert --policy reads the names as kimi-quantize does: a mixture plans in its dry run, and one whose
+    types cannot be written yet is refused before a byte is written."""
+    src, _, _ = files
+    hf = src.parent / "Kimi-K3-tiny"
+    r = run_cli(str(hf), str(out_dir / "c.gguf"), "--policy", "TQ2_0", "--dry-run")
+    assert r.returncode == 0, r.stderr
+    assert "TQ2_0" in r.stdout and "n/a" in r.stdout
+    assert "writing this plan is refused: blk.0.attn_q.weight: TQ2_0 cannot be written yet" in r.stderr
+    assert_fails_cleanly(out_dir, run_cli(str(hf), str(out_dir / "c.gguf"), "--policy", "TQ2_0"),
+                         "blk.0.attn_q.weight: TQ2_0 cannot be written yet (BF16 -> TQ2_0)")
+    assert_fails_cleanly(out_dir, run_cli(str(hf), str(out_dir / "c.gguf"), "--policy", "iq2_xxs"),
+                         "did you mean llama-quantize's mixture IQ2_XXS?")

@@ -281,6 +281,12 @@ _EXT = {
 }
 
 
+_GGML = (("ggml_init", ctypes.c_void_p, [_GgmlInitParams]), ("ggml_free", None, [ctypes.c_void_p]),
+         ("ggml_tensor_overhead", ctypes.c_size_t, []),
+         ("ggml_new_tensor_4d", ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_int64] * 4),
+         ("ggml_set_name", ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_char_p]))
+
+
 def _ext_functions():
     llama_cpp = _import_llama_cpp()
     lib_dir = Path(llama_cpp.__file__).parent / "lib"
@@ -294,10 +300,7 @@ def _ext_functions():
                                      f"{symbol} (src/llama-ext.h)") from None
         f.restype, f.argtypes = restype, argtypes
         out[key] = f
-    for name, restype, argtypes in (("ggml_init", ctypes.c_void_p, [_GgmlInitParams]), ("ggml_free", None, [ctypes.c_void_p]),
-                                    ("ggml_tensor_overhead", ctypes.c_size_t, []),
-                                    ("ggml_new_tensor_4d", ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_int64] * 4),
-                                    ("ggml_set_name", ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_char_p])):
+    for name, restype, argtypes in _GGML:
         f = getattr(ggml, name)
         f.restype, f.argtypes = restype, argtypes
         out[name] = f
@@ -305,7 +308,9 @@ def _ext_functions():
 
 
 def _layer(name: str) -> int:
-    """sscanf(name, "blk.%d.", &layer), -1 when there is none: the key of llama-quantize's tensor order."""
+    """sscanf(name, "blk.%d.", &layer), -1 when there is none: the key of llama-quantize's tensor order, as
+    test-quant-type-selection.cpp sorts its tensors (written out here, not taken from quant.mixtures.llama_order,
+    which this helper exists to check)."""
     m = re.match(r"blk\.\s*([+-]?\d+)", name)
     return int(m[1]) if m else -1
 

@@ -34,14 +34,18 @@ if TYPE_CHECKING:
 
 FLOAT_TYPES = (QT.F32, QT.F16, QT.BF16)
 
+
+def _types(*names: str) -> tuple[QT, ...]:
+    """The ggml types of these names that gguf knows: Q2_0 (ggml type 42) is missing from gguf 0.19.0."""
+    return tuple(QT[n] for n in names if n in QT.__members__)
+
+
 # tensor_type_fallback: the type a tensor gets when its row length (ne0) is not a multiple of the target's block.
 # A target of 32 or fewer values a block stays (F16 if even that does not divide the row); Q1_0 (128) and
-# NVFP4 (64) have no fallback: llama-quantize stops with an error. Q2_0 (-> Q4_0 upstream) is missing: gguf
-# 0.19.0 has no such type (see FILE_TYPES).
+# NVFP4 (64) have no fallback: llama-quantize stops with an error.
 FALLBACK = {
-    **dict.fromkeys((QT.IQ1_S, QT.IQ1_M, QT.IQ2_XXS, QT.IQ2_XS, QT.IQ2_S, QT.IQ3_XXS, QT.IQ3_S, QT.IQ4_XS),
-                    QT.IQ4_NL),
-    **dict.fromkeys((QT.Q2_K, QT.Q3_K, QT.TQ1_0, QT.TQ2_0), QT.Q4_0),
+    **dict.fromkeys(_types("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_XS"), QT.IQ4_NL),
+    **dict.fromkeys(_types("Q2_0", "Q2_K", "Q3_K", "TQ1_0", "TQ2_0"), QT.Q4_0),
     QT.Q4_K: QT.Q5_0, QT.Q5_K: QT.Q5_1, QT.Q6_K: QT.Q8_0,
 }
 
@@ -62,7 +66,7 @@ class MixtureError(KimiError):
 @dataclass(frozen=True)
 class FileType:
     """One of llama-quantize's file types: its name, its `general.file_type` id and its default tensor type
-    (llama_ftype_get_default_type; None: a type gguf does not know)."""
+    (llama_ftype_get_default_type; None: a type gguf does not know, Q2_0)."""
     name: str
     ftype: int
     default: QT | None
@@ -90,10 +94,10 @@ class FileType:
                 f"cannot be planned or written yet")
 
 
-def _file_type(name: str, default: str | None, what: str, alias_of: str = "") -> FileType:
+def _file_type(name: str, default: str, what: str, alias_of: str = "") -> FileType:
     key = "ALL_F32" if name == "F32" else f"MOSTLY_{alias_of or name}"
     ftype = int(LlamaFileType[key]) if key in LlamaFileType.__members__ else Q2_0_FTYPE
-    return FileType(name, ftype, None if default is None else QT[default], what, alias_of)
+    return FileType(name, ftype, (_types(default) or (None,))[0], what, alias_of)
 
 
 Q2_0_FTYPE = 41                 # LLAMA_FTYPE_MOSTLY_Q2_0 (include/llama.h); gguf 0.19.0 lacks it and the type
@@ -101,7 +105,7 @@ Q2_0_FTYPE = 41                 # LLAMA_FTYPE_MOSTLY_Q2_0 (include/llama.h); ggu
 # In llama-quantize's --help order. `what` is ours: what the rules below do to a K3 file.
 FILE_TYPES: dict[str, FileType] = {ft.name: ft for ft in (
     _file_type("Q1_0", "Q1_0", "Q1_0 (1.125 bpw); output Q6_K"),
-    _file_type("Q2_0", None, "Q2_0 (2.25 bpw); output Q6_K, token_embd Q4_K"),
+    _file_type("Q2_0", "Q2_0", "Q2_0 (2.25 bpw); output Q6_K, token_embd Q4_K"),
     _file_type("Q4_0", "Q4_0", "Q4_0; output Q6_K; with an imatrix, ffn_down of the first n/8 layers Q4_1"),
     _file_type("Q4_1", "Q4_1", "Q4_1; output Q6_K"),
     _file_type("MXFP4_MOE", "MXFP4", "3-D tensors (experts, MLA attn_k_b/attn_v_b) MXFP4, the others Q8_0"),
