@@ -8,6 +8,8 @@
 #   3. llama.cpp's own converter from the same sdist, unpacked into .interop/llama.cpp (conformance tests).
 #   4. ggml's quantizer sources from the same sdist (ggml-quants.c, ggml-common.h) into .interop/llama.cpp/ggml/src,
 #      read by tests/test_grids.py (never copied into the repo).
+#   5. llama-quantize's type-selection snapshots from the same sdist (tests/snapshots/*.schema) into
+#      .interop/llama.cpp/tests/snapshots, read by tests/test_mixtures.py (never copied into the repo).
 # Idempotent: each part is skipped when the exact version (and, for 1, the exact pinned binary) is present.
 # Usage: bash .ci/install-interop.sh [--no-llama-cpp-python] [--no-wllama]
 set -euo pipefail
@@ -162,5 +164,22 @@ else
   tar -xzf "$sdist" -C "$part" --strip-components=3 "${missing[@]}"
   mkdir -p "$tree/ggml/src"
   for f in "${missing[@]}"; do mv "$part/${f#"$src/"}" "$tree/${f#"$src/"}"; done
+  rm -rf "$part"
+fi
+
+# 5. llama-quantize's type-selection snapshots (tests/snapshots/*.schema: the types llama_quant_compute_types gives
+#    each tensor of 12 models, per file type), beside the converter of the same version: tests/test_mixtures.py
+#    compares quant/mixtures.py with them. Read there, never copied.
+snapshots=tests/snapshots
+if compgen -G "$tree/$snapshots/*.schema" >/dev/null; then
+  echo "install-interop: llama-quantize's type-selection snapshots ($LLAMA_CPP_PYTHON_VERSION sdist) already in $tree/$snapshots"
+else
+  echo "install-interop: unpacking $snapshots from the llama-cpp-python $LLAMA_CPP_PYTHON_VERSION sdist into $tree"
+  fetch_sdist
+  part="$(mktemp -d "$tree/.snapshots.XXXXXX")"        # unpacked beside, then moved: never half a folder in place
+  tar -xzf "$sdist" -C "$part" --strip-components=3 "$src/$snapshots"
+  mkdir -p "$tree/tests"
+  rm -rf "${tree:?}/$snapshots"
+  mv "$part/$snapshots" "$tree/$snapshots"
   rm -rf "$part"
 fi

@@ -265,12 +265,14 @@ def convert(
             reading(hf_dir)
             plan = build_plan(hf_dir, outtype)
             if quant_options is not None:
-                from .quantize_cli import report_decisions
+                from .quantize_cli import report_decisions, report_write_blockers
                 pol, imat = quant_options
                 one = plan_policy(plan, pol, imatrix=imat, allow_requantize=allow_requantize, strict=strict)
                 report_decisions(one.plan, imat)
                 for line in one.notes:
                     note(line)
+                if dry_run:
+                    report_write_blockers(one.plan, imat)
             if dry_run:
                 return dry_run_plan(plan, out, split_max_tensors, max_size, force, one)
             total = plan.total_bytes if one is None else sum(one.sizes)

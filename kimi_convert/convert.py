@@ -474,8 +474,10 @@ def plan_policy(plan: Plan, policy: "Policy", *, imatrix=None, allow_requantize:
                 strict: bool = False, threads: int = 0) -> "OnePass":
     """The policy applied to what this plan writes (each tensor's name, shape and output type), as kimi-quantize
     applies it to the converted file."""
+    from .quant.mixtures import ModelFacts
     from .quant.onepass import plan_one_pass
-    return plan_one_pass(((t.name, t.shape, t.qtype) for t in plan.tensors), policy, imatrix=imatrix,
+    return plan_one_pass(((t.name, t.shape, t.qtype) for t in plan.tensors), policy,
+                         model=ModelFacts.of(plan.config), imatrix=imatrix,
                          allow_requantize=allow_requantize, strict=strict, threads=threads)
 
 

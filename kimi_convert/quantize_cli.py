@@ -4,7 +4,8 @@
                 [--tensor-type-file F] [--explain] [--dry-run] [--strict] [--allow-requantize]
                 [--threads N] [--force] [--keep-split | --split-max-size S] [--json REPORT.json]
 
-POLICY is a TOML file or a shipped preset name (docs/policy.md); `kimi-quantize --list-presets` lists the presets.
+POLICY is a TOML file, a shipped preset name (lower case: q8_0, k3-q4) or a llama-quantize file type (upper case:
+Q4_K_M, IQ2_XXS), whose mixture then decides (docs/policy.md); `kimi-quantize --list-presets` lists both kinds.
 """
 from __future__ import annotations
 
@@ -28,14 +29,30 @@ MAX_THREADS = 1024
 
 
 def list_presets(value: bool) -> None:
-    """--list-presets: each shipped preset, what it does and what it requires, then exit."""
+    """--list-presets: each shipped preset, what it does and what it requires; then llama-quantize's file types,
+    what their mixture does, and whether kimi-quantize can write it yet; then exit."""
     if not value:
         return
+    from .quant.blocks import supported_types
+    from .quant.mixtures import FILE_TYPES
     from .quant.policy import load_policy, preset_names
+    show = lambda line: output.print(line, highlight=False, markup=False)       # noqa: E731
+    show("presets (ours, lower case):")
     for name in preset_names():
         pol = load_policy(name)
         needs = f"  (requires: {', '.join(pol.requires)})" if pol.requires else ""
-        output.print(f"{name:<10}  {pol.description}{needs}", highlight=False, markup=False)
+        show(f"  {name:<10}  {pol.description}{needs}")
+    show("llama-quantize's mixtures (its file types, upper case; the file `llama-quantize IN OUT NAME` writes, "
+         "with our protections):")
+    for ft in FILE_TYPES.values():
+        if ft.unavailable:
+            state = f"  (not available: gguf has no {ft.name} type)"
+        else:
+            needs = load_policy(ft.name).requires
+            state = ("  (requires: imatrix)" if needs else "") + \
+                    ("" if ft.default in supported_types() else f"  (cannot write {ft.default.name} yet)")
+        what = f"alias of {ft.alias_of}" if ft.alias_of else ft.what
+        show(f"  {ft.name:<10}  file type {ft.ftype}: {what}{state}")
     raise typer.Exit()
 
 
@@ -106,9 +123,10 @@ def quantize(
                 held.enter_context(output_lock(out))
             reading(src)
             gf = open_gguf(src)
-            plan = plan_file(gf, pol, allow_requantize=allow_requantize, strict=strict)
+            plan = plan_file(gf, pol, allow_requantize=allow_requantize, strict=strict, imatrix=imat is not None)
             report_decisions(plan, imat)
             if explain or dry_run:
+                report_write_blockers(plan, imat)
                 if explain:
                     print_explain(plan, pol)
                 if dry_run:
@@ -161,6 +179,15 @@ def report_decisions(plan, imat) -> None:
             note(line)
 
 
+def report_write_blockers(plan, imat) -> None:
+    """With --explain / --dry-run: on stderr, why writing this plan would be refused (quant.plan.write_blockers)."""
+    from .quant.plan import write_blockers
+    entries = None if imat is None else {d.name for d in plan.decisions
+                                         if d.needs_imatrix and imat.has_vector(d.name, d.shape)}
+    for line in write_blockers(plan, entries, getattr(imat, "path", "")):
+        console.print(f"[yellow]note:[/] writing this plan is refused: {escape(line)}", highlight=False)
+
+
 def load_imatrix(path: Path):
     from .quant.imatrix import load_imatrix as load
     return load(path)
@@ -199,11 +226,16 @@ def print_dry_run_table(plan, title: str):
     for col in ("type", "tensors", "bytes", "est. time"):
         t.add_column(col, justify="left" if col == "type" else "right")
     for row in e.rows:
-        t.add_row(row.label, str(row.n), human(row.nbytes), f"{row.seconds:.1f} s")
+        t.add_row(row.label, str(row.n), human(row.nbytes), _seconds(row.seconds))
     t.add_row("[bold]total", f"[bold]{len(plan.decisions)}", f"[bold]{human(plan.target_bytes)}",
-              f"[bold]{e.seconds:.1f} s")
+              f"[bold]{_seconds(e.seconds)}")
     output.print(t)
     return e
+
+
+def _seconds(seconds: float) -> str:
+    """An estimated time; n/a for a type that cannot be written yet (no kernel to time)."""
+    return "n/a" if seconds != seconds else f"{seconds:.1f} s"
 
 
 def json_report(plan, pol) -> str:

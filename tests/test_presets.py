@@ -16,6 +16,7 @@ from kimi_convert.fixtures.real_size import REAL_VISION, real_spec
 from kimi_convert.gguf_io import open_gguf, tensor_nbytes
 from kimi_convert.model import KimiConfig
 from kimi_convert.quant.driver import quantize_file
+from kimi_convert.quant.mixtures import FILE_TYPES
 from kimi_convert.quant.plan import QuantPlan, plan_quantization
 from kimi_convert.quant.policy import PRESETS, PolicyError, load_policy, parse_policy, preset_names
 from kimi_convert.tensor_map import gguf_tensor_types
@@ -243,11 +244,21 @@ def test_k3_q2_with_what_it_requires_writes_requantized_experts(k31, out_dir):
 
 
 def test_list_presets():
+    """Both kinds of name, each under its heading: our presets with their description, then llama-quantize's
+    file types with what their mixture does, their general.file_type, and whether they can be written yet."""
     r = quantize("--list-presets")
     assert r.returncode == 0, r.stderr
-    rows = {line.split()[0]: line for line in r.stdout.splitlines()}
+    head, presets_part, mixtures_part = r.stdout.split("\n", 1)[0], *r.stdout.split("\nllama-quantize's mixtures")
+    assert head.startswith("presets (ours, lower case)")
+    rows = {line.split()[0]: line for line in presets_part.splitlines()[1:]}
     assert set(rows) == set(preset_names())
     for name, line in rows.items():
         assert load_policy(name).description in line
     assert "(requires: imatrix, allow-requantize)" in rows["k3-q2"]
+    mixtures = {line.split()[0]: line for line in mixtures_part.splitlines()[1:]}
+    assert set(mixtures) == set(FILE_TYPES) and not set(mixtures) & set(rows)
+    assert "file type 15: Q4_K;" in mixtures["Q4_K_M"] and "alias of Q4_K_M" in mixtures["Q4_K"]
+    assert "(requires: imatrix)  (cannot write IQ2_XXS yet)" in mixtures["IQ2_XXS"]
+    assert "(requires: imatrix)" in mixtures["Q2_K_S"] and "cannot write" not in mixtures["Q2_K_S"]
+    assert "not available: gguf has no Q2_0 type" in mixtures["Q2_0"]
     assert "--list-presets" in quantize("--help").stdout

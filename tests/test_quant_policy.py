@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from kimi_convert.quant.plan import QuantizeError, StrictError, decide, plan_quantization
+from kimi_convert.quant.plan import QuantizeError, QuantPlan, StrictError, check_can_write, decide, plan_quantization
 from kimi_convert.quant.policy import (PolicyError, load_policy, parse_policy, preset_names, tensor_type_rules)
 
 
@@ -186,5 +186,9 @@ def test_quantized_sources_and_mxfp4_targets():
         decide("blk.0.attn_q.weight", (8, 256), QT.Q8_0, policy('default = "Q4_K"\n'), False)
     d, _ = decide("blk.0.attn_q.weight", (8, 256), QT.Q8_0, policy('default = "Q8_0"\n'), False)
     assert d.copied
-    with pytest.raises(QuantizeError, match="MXFP4 is only kept, never made"):
-        decide("blk.0.attn_q.weight", (8, 256), QT.BF16, policy('default = "MXFP4"\n'), False)
+    # MXFP4 from BF16 plans (llama-quantize's MXFP4_MOE does so), but is refused before writing: no kernel yet
+    d, _ = decide("blk.0.attn_q.weight", (8, 256), QT.BF16, policy('default = "MXFP4"\n'), False)
+    assert d.target == QT.MXFP4
+    with pytest.raises(QuantizeError, match=r"blk\.0\.attn_q\.weight: MXFP4 cannot be written yet \(BF16 -> MXFP4\); "
+                                            r"kimi-quantize writes .*; MXFP4 only as a copy of MXFP4 experts"):
+        check_can_write(QuantPlan([d]), None)

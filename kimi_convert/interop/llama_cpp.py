@@ -15,6 +15,7 @@ import contextlib
 import ctypes
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -252,3 +253,105 @@ def llama_quantize(src, dst, ftype: int, *, pure: bool = True, threads: int = 2,
     if rc != 0 or not Path(dst).is_file():
         raise InteropError(f"llama_model_quantize failed on {src} (rc {rc}):\n{_error_text(lines)}")
     return Path(dst)
+
+
+# --- llama-quantize's type selection alone (src/llama-ext.h) -------------------------------------------------------
+
+class _QuantModelDesc(ctypes.Structure):        # struct llama_quant_model_desc (src/llama-ext.h)
+    _fields_ = [("architecture", ctypes.c_char_p)] + [(n, ctypes.c_uint32) for n in (
+        "n_embd", "n_ff", "n_layer", "n_head", "n_head_kv", "n_expert", "n_embd_head_k", "n_embd_head_v")]
+
+
+class _GgmlInitParams(ctypes.Structure):        # struct ggml_init_params (ggml.h)
+    _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
+
+
+# llama-ext.h is C++ (no extern "C"): its functions are exported under their mangled names
+_EXT = {
+    "model_from_metadata": ("_Z31llama_quant_model_from_metadataPK22llama_quant_model_desc", ctypes.c_void_p,
+                            [ctypes.POINTER(_QuantModelDesc)]),
+    "init": ("_Z16llama_quant_initPK11llama_modelPK27llama_model_quantize_params", ctypes.c_void_p,
+             [ctypes.c_void_p, ctypes.c_void_p]),
+    "free": ("_Z16llama_quant_freeP19quantize_state_impl", None, [ctypes.c_void_p]),
+    "allows": ("_Z38llama_quant_tensor_allows_quantizationPK19quantize_state_implPK11ggml_tensor", ctypes.c_bool,
+               [ctypes.c_void_p, ctypes.c_void_p]),
+    "compute_types": ("_Z25llama_quant_compute_typesP19quantize_state_impl11llama_ftypePP11ggml_tensorP9ggml_typem",
+                      None, [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p),
+                             ctypes.POINTER(ctypes.c_int), ctypes.c_size_t]),
+}
+
+
+_GGML = (("ggml_init", ctypes.c_void_p, [_GgmlInitParams]), ("ggml_free", None, [ctypes.c_void_p]),
+         ("ggml_tensor_overhead", ctypes.c_size_t, []),
+         ("ggml_new_tensor_4d", ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_int64] * 4),
+         ("ggml_set_name", ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_char_p]))
+
+
+def _ext_functions():
+    llama_cpp = _import_llama_cpp()
+    lib_dir = Path(llama_cpp.__file__).parent / "lib"
+    llama, ggml = ctypes.CDLL(str(lib_dir / "libllama.so")), ctypes.CDLL(str(lib_dir / "libggml-base.so"))
+    out = {}
+    for key, (symbol, restype, argtypes) in _EXT.items():
+        try:
+            f = llama[symbol]
+        except AttributeError:
+            raise InteropUnavailable(f"libllama.so of llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} does not export "
+                                     f"{symbol} (src/llama-ext.h)") from None
+        f.restype, f.argtypes = restype, argtypes
+        out[key] = f
+    for name, restype, argtypes in _GGML:
+        f = getattr(ggml, name)
+        f.restype, f.argtypes = restype, argtypes
+        out[name] = f
+    return llama_cpp, out
+
+
+def _layer(name: str) -> int:
+    """sscanf(name, "blk.%d.", &layer), -1 when there is none: the key of llama-quantize's tensor order, as
+    test-quant-type-selection.cpp sorts its tensors (written out here, not taken from quant.mixtures.llama_order,
+    which this helper exists to check)."""
+    m = re.match(r"blk\.\s*([+-]?\d+)", name)
+    return int(m[1]) if m else -1
+
+
+def llama_quant_types(arch: str, tensors: Sequence[tuple[str, Sequence[int]]], ftypes: Sequence[int], *,
+                      n_layer: int, n_head: int, n_head_kv: int, n_expert: int, n_embd: int = 0, n_ff: int = 0
+                      ) -> dict[int, dict[str, int]]:
+    """llama-quantize's own type choice (llama_quant_compute_types, no imatrix) for each file type of `ftypes`:
+    {ftype: {tensor name: ggml type id}} over the tensors of (name, numpy shape) that llama-quantize may quantize
+    (llama_quant_tensor_allows_quantization), decided in llama-quantize's tensor order (by layer, then by name),
+    for a mock model of `arch` with these hyperparameters (llama_quant_model_from_metadata: every layer gets
+    n_head and n_head_kv). The counters and categories are those of the tensors given."""
+    llama_cpp, f = _ext_functions()
+    desc = _QuantModelDesc(arch.encode(), n_embd, n_ff, n_layer, n_head, n_head_kv, n_expert, 0, 0)
+    model = f["model_from_metadata"](ctypes.byref(desc))
+    if not model:
+        raise InteropError(f"llama_quant_model_from_metadata failed for arch {arch}")
+    params = llama_cpp.llama_model_quantize_default_params()
+    qs = f["init"](model, ctypes.addressof(params))
+    ctx = f["ggml_init"](_GgmlInitParams((len(tensors) + 1) * f["ggml_tensor_overhead"](), None, True))
+    try:
+        made = []
+        for name, shape in tensors:
+            ne = [*reversed([int(n) for n in shape]), 1, 1, 1][:4]
+            t = f["ggml_new_tensor_4d"](ctx, GGML_TYPE_F32, *ne)
+            f["ggml_set_name"](t, name.encode())
+            if f["allows"](qs, t):
+                made.append((name, t))
+
+        made.sort(key=lambda item: (_layer(item[0]), item[0].encode()))
+        arr = (ctypes.c_void_p * len(made))(*[t for _, t in made])
+        types = (ctypes.c_int * len(made))()
+        out = {}
+        with _captured_llama_log():         # its fallback warnings, one per tensor
+            for ftype in ftypes:
+                f["compute_types"](qs, int(ftype), arr, types, len(made))
+                out[int(ftype)] = {name: int(types[i]) for i, (name, _) in enumerate(made)}
+        return out
+    finally:
+        f["ggml_free"](ctx)
+        f["free"](qs)
+        llama_cpp.llama_model_free(ctypes.c_void_p(model))
+
+

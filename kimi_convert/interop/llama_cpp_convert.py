@@ -1,4 +1,5 @@
-"""llama.cpp's own converter (convert_hf_to_gguf.py of the Oct-2026 tree), run on a checkpoint, for conformance tests.
+"""llama.cpp's own converter (convert_hf_to_gguf.py of the Oct-2026 tree), run on a checkpoint, for conformance tests;
+and the same tree's llama-quantize type-selection snapshots (``upstream_snapshots``).
 
 ``.ci/install-interop.sh`` unpacks the converter's part of the llama-cpp-python 0.3.36 sdist (the same tree the
 native build compiles) into ``<interop dir>/llama.cpp``; ``upstream_convert`` runs it in a child process through
@@ -21,6 +22,16 @@ def upstream_tree() -> Path:
     if not (tree / "convert_hf_to_gguf.py").is_file():
         raise InteropUnavailable(f"llama.cpp's converter is not unpacked in {tree}: {INSTALL_HINT}")
     return tree
+
+
+def upstream_snapshots() -> Path:
+    """llama-quantize's type-selection snapshots of the same tree (tests/snapshots/*.schema, which its
+    test-quant-type-selection compares llama_quant_compute_types with), as install-interop.sh unpacks them."""
+    snapshots = interop_dir() / "llama.cpp" / "tests" / "snapshots"
+    if not any(snapshots.glob("*.schema")):
+        raise InteropUnavailable(f"llama.cpp's tests/snapshots are not unpacked in {snapshots.parent.parent}: "
+                                 f"{INSTALL_HINT}")
+    return snapshots
 
 
 def upstream_convert(hf_dir: Path, out: Path, outtype: str = "bf16", timeout: float = 900) -> Path:

@@ -25,21 +25,15 @@ from ..gguf_io import (Chunk, GGUFFile, GGUFStreamWriter, GGUFTensor, OutTensor,
 from ..paths import Input, Report, refuse_overlap
 from ..model import KimiConfig
 from ..tensor_map import ggml_n_dims, gguf_group
-from .plan import Decision, QuantizeError, QuantPlan, plan_quantization
+from .mixtures import PURE_FILE_TYPE, ModelFacts
+from .plan import Decision, QuantizeError, QuantPlan, check_can_write, plan_quantization
 from .policy import Policy
 
 CHUNK_VALUES = 4 << 20          # float32 values dequantized per chunk (16 MiB), whole rows
 SKIPPED_KEYS = ("GGUF.", "split.")
 
-# llama-quantize's file type for a default type (tools/quantize: "Q4_K" is Q4_K_M, "Q3_K" Q3_K_M, ...)
-FILE_TYPE = {
-    QT.F32: LlamaFileType.ALL_F32, QT.F16: LlamaFileType.MOSTLY_F16, QT.BF16: LlamaFileType.MOSTLY_BF16,
-    QT.Q8_0: LlamaFileType.MOSTLY_Q8_0, QT.Q4_0: LlamaFileType.MOSTLY_Q4_0, QT.Q4_1: LlamaFileType.MOSTLY_Q4_1,
-    QT.Q5_0: LlamaFileType.MOSTLY_Q5_0, QT.Q5_1: LlamaFileType.MOSTLY_Q5_1,
-    QT.Q2_K: LlamaFileType.MOSTLY_Q2_K, QT.Q3_K: LlamaFileType.MOSTLY_Q3_K_M, QT.Q4_K: LlamaFileType.MOSTLY_Q4_K_M,
-    QT.Q5_K: LlamaFileType.MOSTLY_Q5_K_M, QT.Q6_K: LlamaFileType.MOSTLY_Q6_K,
-    QT.IQ4_NL: LlamaFileType.MOSTLY_IQ4_NL, QT.IQ4_XS: LlamaFileType.MOSTLY_IQ4_XS,
-}
+# llama-quantize's file type for a default type: the file type of that name ("Q4_K" is Q4_K_M, "Q3_K" Q3_K_M, ...)
+FILE_TYPE = PURE_FILE_TYPE
 
 
 @dataclass
@@ -51,22 +45,28 @@ class QuantizeResult:
 
 
 def file_type(policy: Policy, stored: int) -> int:
-    """The default type's llama file type; `keep` keeps the input's (`stored`)."""
+    """The mixture's llama file type, or the default type's; `keep` keeps the input's (`stored`). A default
+    no file type is named after (MXFP4) is GUESSED."""
+    if policy.mixture is not None:
+        return policy.mixture.ftype
     if policy.default is None:
         return int(stored)
-    return int(FILE_TYPE[policy.default])
+    return int(FILE_TYPE.get(policy.default, LlamaFileType.GUESSED))
 
 
 def stored_file_type(gf: GGUFFile) -> int:
     return int(gf.fields.get("general.file_type", LlamaFileType.GUESSED))
 
 
-def plan_file(gf: GGUFFile, policy: Policy, *, allow_requantize: bool = False, strict: bool = False) -> QuantPlan:
-    KimiConfig.from_gguf(gf.fields, gf.paths[0])     # a kimi-k3 / kimi-k31 file, or a clear error
+def plan_file(gf: GGUFFile, policy: Policy, *, allow_requantize: bool = False, strict: bool = False,
+              imatrix: bool = False) -> QuantPlan:
+    """The plan of file `gf`; `imatrix`: whether the run has one (a mixture's choices may depend on it)."""
+    config = KimiConfig.from_gguf(gf.fields, gf.paths[0])     # a kimi-k3 / kimi-k31 file, or a clear error
     if not gf.tensors:                       # valid GGUF (a vocabulary-only file, say), but nothing to quantize
         raise CheckpointError(f"{gf.paths[0]}: holds no tensors: a {gf.arch} GGUF with no tensors is not a model")
     return plan_quantization(((t.name, t.shape, t.qtype) for t in gf.tensors.values()), policy,
-                             allow_requantize=allow_requantize, strict=strict)
+                             allow_requantize=allow_requantize, strict=strict, model=ModelFacts.of(config),
+                             imatrix=imatrix)
 
 
 def stored_metadata(gf: GGUFFile) -> Iterator[tuple]:
@@ -98,13 +98,14 @@ def quantize_file(src: Path, out: Path, policy: Policy, *, imatrix=None, allow_r
     """`reports`: (report, its text), renamed into place with the output, or not at all."""
     policy.check_requirements(imatrix=imatrix is not None, allow_requantize=allow_requantize)
     gf = open_gguf(Path(src))
-    plan = plan_file(gf, policy, allow_requantize=allow_requantize, strict=strict)
+    plan = plan_file(gf, policy, allow_requantize=allow_requantize, strict=strict, imatrix=imatrix is not None)
     reports = list(reports)
     reads = run_inputs(gf.paths[0], policy, imatrix)
-    preflight(gf, plan, Path(out), force=force, split_max_size=split_max_size, log=log, keep_split=keep_split,
-              reads=reads, reports=[r for r, _ in reports])
     notes: list[str] = []
     vectors = imatrix_vectors(plan, imatrix, notes) if imatrix is not None else {}
+    check_can_write(plan, vectors.shapes if imatrix is not None else None, getattr(imatrix, "path", ""))
+    preflight(gf, plan, Path(out), force=force, split_max_size=split_max_size, log=log, keep_split=keep_split,
+              reads=reads, reports=[r for r, _ in reports])
     extra = imatrix.metadata() if imatrix is not None else []
     writer = GGUFStreamWriter(Path(out), gf.arch, split_max_size=split_max_size, force=force, tool="kimi-quantize",
                               inputs=gf.paths + ([Path(imatrix.path)] if imatrix is not None else []),
@@ -263,8 +264,9 @@ class Estimate:
 
 def estimate(plan: QuantPlan, sample_rows: int = 64, n_per_row: int = 4096) -> Estimate:
     """Output bytes and time per target type: copies at COPY_BYTES_PER_S, quantization at the speed a
-    sample of `sample_rows` x `n_per_row` values is quantized here, per type."""
-    from .blocks import quantize            # noqa: PLC0415
+    sample of `sample_rows` x `n_per_row` values is quantized here, per type (NaN for a type that cannot be
+    written yet; the total is then NaN too)."""
+    from .blocks import quantize, supported_types       # noqa: PLC0415
     x = np.random.default_rng(0).standard_normal((sample_rows, n_per_row)).astype(np.float32)
     speed: dict[QT, float] = {}
     groups: dict[str, list[Decision]] = {}
@@ -278,6 +280,8 @@ def estimate(plan: QuantPlan, sample_rows: int = 64, n_per_row: int = 4096) -> E
             seconds = nbytes / COPY_BYTES_PER_S
         else:
             qtype = ds[0].target
+            if qtype not in supported_types():
+                speed[qtype] = float("nan")
             if qtype not in speed:
                 quantize(x[:1], qtype)                      # compile / warm up
                 t0 = time.perf_counter()

@@ -23,7 +23,8 @@ from gguf import GGMLQuantizationType as QT
 from ..errors import CheckpointError
 from ..gguf_io import Chunk, FileRange, OutTensor, tensor_nbytes
 from .driver import CHUNK_VALUES, ImatrixVectors, file_type, ggml_shape, metadata, tensor_chunks
-from .plan import QuantPlan, plan_quantization
+from .mixtures import ModelFacts
+from .plan import QuantPlan, check_can_write, plan_quantization
 from .policy import Policy
 
 PIECE = 16 << 20            # a FileRange of the producer is read in pieces of this many bytes
@@ -41,8 +42,11 @@ class OnePass:
     allow_requantize: bool = False
 
     def check_requirements(self) -> None:
-        """What the policy `requires` of a run (an imatrix, --allow-requantize), as kimi-quantize checks it."""
+        """What the policy `requires` of a run (an imatrix, --allow-requantize) and what its plan needs to be
+        written (writable types, the imatrix entries its types need), as kimi-quantize checks them."""
         self.policy.check_requirements(imatrix=self.imatrix is not None, allow_requantize=self.allow_requantize)
+        check_can_write(self.plan, self.vectors.shapes if self.vectors is not None else None,
+                        getattr(self.imatrix, "path", ""))
 
     @property
     def sizes(self) -> list[int]:
@@ -52,8 +56,9 @@ class OnePass:
     def quantizer_rss(self) -> int:
         """RSS that loading the kernels adds (native.load_rss); a chunk's work is in chunk_work."""
         from .. import native
-        from .blocks import kernels_for     # noqa: PLC0415
-        pairs = [(d.source, d.target, self.imatrix is not None) for d in self.plan.decisions if not d.copied]
+        from .blocks import kernels_for, supported_types     # noqa: PLC0415
+        pairs = [(d.source, d.target, self.imatrix is not None) for d in self.plan.decisions
+                 if not d.copied and d.target in supported_types()]
         return native.load_rss(kernels_for(pairs)) if pairs else 0
 
     def chunk_work(self, i: int) -> int:
@@ -89,11 +94,13 @@ class OnePass:
             rows.finish()
 
 
-def plan_one_pass(tensors: Iterable[tuple[str, tuple[int, ...], QT]], policy: Policy, *, imatrix=None,
-                  allow_requantize: bool = False, strict: bool = False, threads: int = 0) -> OnePass:
-    """Decide every tensor the converter writes (name, numpy shape, output type) as kimi-quantize decides the
-    converted file's, and check the imatrix against every tensor to quantize: all from the headers."""
-    plan = plan_quantization(tensors, policy, allow_requantize=allow_requantize, strict=strict)
+def plan_one_pass(tensors: Iterable[tuple[str, tuple[int, ...], QT]], policy: Policy, *, model: ModelFacts,
+                  imatrix=None, allow_requantize: bool = False, strict: bool = False, threads: int = 0) -> OnePass:
+    """Decide every tensor the converter writes (name, numpy shape, output type) of a model with facts `model`
+    as kimi-quantize decides the converted file's, and check the imatrix against every tensor to quantize:
+    all from the headers."""
+    plan = plan_quantization(tensors, policy, allow_requantize=allow_requantize, strict=strict, model=model,
+                             imatrix=imatrix is not None)
     notes: list[str] = []
     vectors = ImatrixVectors(plan, imatrix, notes) if imatrix is not None else None
     return OnePass(policy, plan, imatrix, vectors, notes, threads, allow_requantize)

@@ -3,17 +3,22 @@
 Order, per tensor (docs/policy.md):
 1. the protections of tensor_map.protection (llama-quantize's own deny list, the K3.1 indexer, MXFP4 experts):
    the tensor keeps its stored type; a rule that names it is reported (an error with --strict);
-2. the first matching --tensor-type token, then the first matching policy rule, then the policy's default
-   ("keep" = the stored type);
-3. llama-quantize's shape fallback (src/llama-quant.cpp tensor_type_fallback) when the row length is not a
-   multiple of the target's block: Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, Q2_K/Q3_K -> Q4_0,
-   IQ4_XS -> IQ4_NL, and F16 when even that does not divide it.
-So `default = "T"` alone is `llama-quantize --pure T` (plus `--tensor-type exps=mxfp4` on MXFP4 experts).
+2. the first matching --tensor-type token, then the first matching policy rule, then the policy's mixture
+   (llama-quantize's rules for its file type, quant/mixtures.py) or its default ("keep" = the stored type);
+3. llama-quantize's shape fallback (src/llama-quant.cpp tensor_type_fallback, mixtures.FALLBACK) when the row
+   length is not a multiple of the target's block: Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, Q2_K/Q3_K -> Q4_0,
+   IQ4_XS and the IQ1-IQ3 types -> IQ4_NL, and F16 when even that does not divide it.
+So `default = "T"` alone is `llama-quantize --pure T` (plus `--tensor-type exps=mxfp4` on MXFP4 experts), and the
+mixture of file type F is `llama-quantize F`. A mixture's counters advance in llama-quantize's tensor order, so
+with one the tensors are decided in that order (mixtures.llama_order); the plan keeps the file's.
+
+What planning does not check, writing does (`check_can_write`): a target type kimi-quantize cannot write yet,
+and an imatrix that a target needs (llama-quantize's tensor_requires_imatrix) and the run lacks.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Container, Iterable
 
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
@@ -21,12 +26,9 @@ from gguf import GGMLQuantizationType as QT
 from ..errors import KimiError
 from ..gguf_io import tensor_nbytes
 from ..tensor_map import MXFP4_EXPERTS, Protection, protection
+from .blocks import supported_types
+from .mixtures import FLOAT_TYPES, Mixture, MixtureError, ModelFacts, fallback_type, llama_order, requires_imatrix
 from .policy import Policy, Rule, first_matches, type_name
-
-FLOAT_TYPES = (QT.F32, QT.F16, QT.BF16)
-# llama-quantize's shape fallback (tensor_type_fallback); 32-block types have no smaller block to go to
-FALLBACK = {QT.Q2_K: QT.Q4_0, QT.Q3_K: QT.Q4_0, QT.Q4_K: QT.Q5_0, QT.Q5_K: QT.Q5_1, QT.Q6_K: QT.Q8_0,
-            QT.IQ4_XS: QT.IQ4_NL}
 
 
 class QuantizeError(KimiError):
@@ -55,6 +57,7 @@ class Decision:
     why: str                       # the rule (file:line), default, protection or fallback that decided
     protection: Protection | None = None
     rule: Rule | None = None
+    needs_imatrix: bool = False    # llama-quantize makes this target only with an imatrix entry
 
     @property
     def copied(self) -> bool:
@@ -131,16 +134,22 @@ class QuantPlan:
 
 
 def plan_quantization(tensors: Iterable[tuple[str, tuple[int, ...], QT]], policy: Policy, *,
-                      allow_requantize: bool = False, strict: bool = False) -> QuantPlan:
-    """Decide every tensor of (name, numpy shape, stored type); raises QuantizeError for what cannot be done."""
-    plan = QuantPlan([])
-    tensors = list(tensors)
-    rules = first_matches(policy.rules, [name for name, _, _ in tensors])    # every pattern in bounded time
-    for name, shape, source in tensors:
-        d, conflict = decide(name, tuple(shape), source, policy, allow_requantize, rules[name])
-        plan.decisions.append(d)
-        if conflict is not None:
-            plan.conflicts.append(conflict)
+                      allow_requantize: bool = False, strict: bool = False, model: ModelFacts | None = None,
+                      imatrix: bool = False) -> QuantPlan:
+    """Decide every tensor of (name, numpy shape, stored type); raises QuantizeError for what cannot be done.
+    `model` and `imatrix` (whether the run has one) are what a policy's mixture reads besides the tensors."""
+    tensors = [(name, tuple(shape), source) for name, shape, source in tensors]
+    names = [name for name, _, _ in tensors]
+    rules = first_matches(policy.rules, names)    # every pattern in bounded time
+    mixture, order = None, range(len(tensors))
+    if policy.mixture is not None:
+        if model is None:
+            raise ValueError(f"{policy.source}: a mixture needs the model's facts (ModelFacts)")
+        mixture, order = Mixture.bind(policy.mixture, names, model, imatrix), llama_order(names)
+    decided: list = [None] * len(tensors)
+    for i in order:
+        decided[i] = decide(*tensors[i], policy, allow_requantize, rules[names[i]], mixture)
+    plan = QuantPlan([d for d, _ in decided], [c for _, c in decided if c is not None])
     if strict and plan.conflicts:
         raise StrictError(plan.conflict_groups)
     requantized = [d for d in plan.decisions if d.requantized]
@@ -155,8 +164,10 @@ _UNSEARCHED = object()
 
 
 def decide(name: str, shape: tuple[int, ...], source: QT, policy: Policy, allow_requantize: bool,
-           rule: "Rule | None | object" = _UNSEARCHED) -> tuple[Decision, Conflict | None]:
-    """The decision for one tensor; `rule`: its first matching rule, when first_matches has found it already."""
+           rule: "Rule | None | object" = _UNSEARCHED, mixture: Mixture | None = None
+           ) -> tuple[Decision, Conflict | None]:
+    """The decision for one tensor; `rule`: its first matching rule, when first_matches has found it already;
+    `mixture`: the policy's mixture bound to the file (plan_quantization binds it)."""
     if rule is _UNSEARCHED:
         rule = first_matches(policy.rules, [name])[name]
     guard = protection(name, shape, source == QT.MXFP4)
@@ -166,21 +177,30 @@ def decide(name: str, shape: tuple[int, ...], source: QT, policy: Policy, allow_
         return Decision(name, shape, source, source, why, guard, rule), (Conflict(name, rule, guard) if named else None)
     if rule is not None:
         wanted, why = rule.target, f"rule {rule.describe()}" + (f": {rule.why}" if rule.why else "")
+    elif mixture is not None:
+        try:
+            wanted, why = mixture.choose(name, shape)
+        except MixtureError as e:
+            raise QuantizeError(str(e)) from None
     else:
         wanted, why = policy.default, f"default {type_name(policy.default)} ({policy.default_origin})"
     target = source if wanted is None else wanted
-    target, why = _fallback(shape, target, why)
+    target, why = _fallback(name, shape, target, why)
     _check_possible(name, source, target, allow_requantize)
-    return Decision(name, shape, source, target, why, guard, rule), None
+    return Decision(name, shape, source, target, why, guard, rule,
+                    source != target and requires_imatrix(name, target, policy.mixture)), None
 
 
-def _fallback(shape: tuple[int, ...], target: QT, why: str) -> tuple[QT, str]:
-    row, block = shape[-1], GGML_QUANT_SIZES[target][0]
-    if row % block == 0:
+def _fallback(name: str, shape: tuple[int, ...], target: QT, why: str) -> tuple[QT, str]:
+    row = shape[-1]
+    try:
+        fallback = fallback_type(target, row)
+    except MixtureError as e:
+        raise QuantizeError(f"{name}: rows of {row} values are not a multiple of {target.name}'s block, and {e}") \
+            from None
+    if fallback == target:
         return target, why
-    fallback = FALLBACK.get(target, target)
-    if row % GGML_QUANT_SIZES[fallback][0]:
-        fallback = QT.F16
+    block = GGML_QUANT_SIZES[target][0]
     return fallback, f"{why}; row length {row} is not a multiple of {block}: {target.name} -> {fallback.name}, " \
                      f"as llama-quantize falls back"
 
@@ -188,9 +208,44 @@ def _fallback(shape: tuple[int, ...], target: QT, why: str) -> tuple[QT, str]:
 def _check_possible(name: str, source: QT, target: QT, allow_requantize: bool) -> None:
     if target == source:
         return
-    if target == QT.MXFP4:
-        raise QuantizeError(f"{name}: MXFP4 is only kept, never made: the tensor is {source.name} "
-                            f"(choose another type, or keep)")
     if source not in FLOAT_TYPES and not allow_requantize:
         raise QuantizeError(f"{name}: is already {source.name}; re-quantizing it to {target.name} needs "
                             f"--allow-requantize (as llama-quantize's)")
+
+
+# ------------------------------------------------------------------------------------
+# what writing needs that a plan does not
+
+def write_blockers(plan: QuantPlan, imatrix: Container[str] | None, imatrix_path: str = "the imatrix") -> list[str]:
+    """Why the planned file cannot be written, one line each (empty: it can), in the order writing checks:
+    a target kimi-quantize cannot write yet (blocks' registry), a target llama-quantize makes only with an
+    imatrix and the run has none, and such targets whose tensors the imatrix has no entry for.
+    `imatrix`: the names of the tensors the imatrix has a vector for, or None without one."""
+    writable = supported_types()
+    out = []
+    unwritable = [d for d in plan.decisions if not d.copied and d.target not in writable]
+    if unwritable:
+        d, also = unwritable[0], {x.target.name for x in unwritable} - {unwritable[0].target.name}
+        hint = "; MXFP4 only as a copy of MXFP4 experts" if d.target == QT.MXFP4 else ""
+        out.append(f"{d.name}: {d.target.name} cannot be written yet ({d.source.name} -> {d.target.name}"
+                   + (f"; also {', '.join(sorted(also))}" if also else "") + f"); kimi-quantize writes "
+                   f"{', '.join(t.name for t in writable)}{hint}")
+    needing = [d for d in plan.decisions if d.needs_imatrix]
+    if needing and imatrix is None:
+        d = needing[0]
+        out.append(f"{d.name}: {d.target.name} needs an importance matrix (--imatrix FILE), as llama-quantize "
+                   f"requires for it ({len(needing)} tensor(s) need one)")
+    elif needing:
+        missing = [d.name for d in needing if d.name not in imatrix]
+        if missing:
+            shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+            out.append(f"{imatrix_path} has no entry for {len(missing)} tensor(s) whose type needs one, as "
+                       f"llama-quantize requires: {shown}")
+    return out
+
+
+def check_can_write(plan: QuantPlan, imatrix: Container[str] | None, imatrix_path: str = "the imatrix") -> None:
+    """Before anything is written: QuantizeError, one line, for the first of write_blockers."""
+    blockers = write_blockers(plan, imatrix, imatrix_path)
+    if blockers:
+        raise QuantizeError(blockers[0])

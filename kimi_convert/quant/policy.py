@@ -13,6 +13,11 @@ it is refused before any heavy work by `Policy.check_requirements`, the one chec
 `--tensor-type REGEX=TYPE` tokens are tried before the policy's rules, in command-line order, and are read as
 llama-quantize reads them: the regex is lower-cased first (tools/quantize/quantize.cpp), so a llama-quantize recipe
 selects the same tensors here. Every error names the file and line it comes from (docs/policy.md).
+
+A POLICY name is a preset of ours (lower case: `q8_0`, `k3-q4`) or one of llama-quantize's file types (upper case,
+as its --help lists them: `Q4_K_M`, `IQ2_XXS`), whose mixture (quant/mixtures.py) then decides every tensor no
+--tensor-type token names; a name that is neither, but one of them in another case, is refused with the name it
+may have meant.
 """
 from __future__ import annotations
 
@@ -31,17 +36,19 @@ from gguf import GGMLQuantizationType as QT
 
 from ..errors import KimiError
 from ..paths import Input
+from .blocks import supported_types
+from .mixtures import FILE_TYPES, FileType, requires_imatrix
 
 KEEP = None                    # the target "keep": the tensor stays as it is stored
 
-# the types kimi-quantize writes (docs/policy.md); MXFP4 only as a copy of MXFP4 experts
-TARGET_TYPES = (QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K,
-                QT.Q6_K, QT.IQ4_NL, QT.IQ4_XS, QT.MXFP4)
+# the types a policy may name: those kimi-quantize writes (its block types, quant/blocks.py), and MXFP4, which
+# keeps MXFP4 experts as they are (llama-quantize recipes write `exps=mxfp4`); making it is refused at writing
+TARGET_TYPES = (*supported_types(), QT.MXFP4)
 PRESETS = resources.files("kimi_convert.quant").joinpath("presets")   # package data: presets/*.toml
 TOP_KEYS, RULE_KEYS = {"default", "rules", "description", "requires"}, {"pattern", "type", "why"}
 # what a policy may require of a run: the option that provides it, and why a policy would need it
 REQUIREMENTS = {
-    "imatrix": ("--imatrix FILE", "low-bit K-quants need importance weights to choose their scales"),
+    "imatrix": ("--imatrix FILE", "low-bit types need importance weights to choose their scales"),
     "allow-requantize": ("--allow-requantize", "it re-quantizes tensors that are already quantized, "
                                                "such as MXFP4 experts"),
 }
@@ -73,9 +80,14 @@ class Policy:
     requires_origin: str = ""          # "k3-q2.toml:12"
     # the files it was read from (the policy file, the --tensor-type-files): no output may replace one
     inputs: tuple[Input, ...] = ()
+    mixture: FileType | None = None    # llama-quantize's file type whose rules replace `default`
 
     def with_tensor_types(self, first: list[Rule], files: Iterable[Path] = ()) -> "Policy":
         """--tensor-type rules (read from the command line and `files`) go before the policy's own."""
+        if first and self.mixture is not None and not self.mixture.quantized:
+            raise PolicyError(f"{first[0].origin}: {self.source} is a float file type, to which llama-quantize "
+                              f"applies no --tensor-type; write a policy file with default = "
+                              f"\"{self.mixture.default.name}\" and rules instead")
         return replace(self, rules=(*first, *self.rules),
                        inputs=(*self.inputs, *(Input(Path(f), "tensor-type file") for f in files)))
 
@@ -83,8 +95,9 @@ class Policy:
         """Refuse a run that lacks what the policy `requires`: one PolicyError naming the policy, what is missing
         and where the policy says so. Call it before any heavy work.
 
-        plan_only (--explain, --dry-run): the imatrix changes the bytes, not the types or sizes, so it is not
-        demanded there; the returned notes say that writing will need it. --allow-requantize changes the plan
+        plan_only (--explain, --dry-run): a policy file's types and sizes do not depend on the imatrix (a
+        mixture's may: the plan is then the one without), so it is not demanded there; the returned notes say
+        that writing will need it. --allow-requantize changes the plan
         (without it the MXFP4 experts are protected), so it is demanded always."""
         given = {"imatrix": imatrix, "allow-requantize": allow_requantize}
         missing = [r for r in self.requires if not given[r]]
@@ -95,8 +108,10 @@ class Policy:
             why = "; ".join(REQUIREMENTS[r][1] for r in now)
             raise PolicyError(f"{self.source} requires {wanted} ({self.requires_origin}); missing: "
                               f"{', '.join(REQUIREMENTS[r][0] for r in now)} ({why})")
+        depends = ("the plan shown is the one without (the mixture's choices for IQ3_XXS, IQ4_NL, IQ4_XS, Q4_0 "
+                   "and Q5_0 depend on it)" if self.mixture is not None else "the plan does not depend on it")
         return [f"{self.source}: writing the file needs {REQUIREMENTS[r][0]} too ({self.requires_origin}); "
-                f"the plan does not depend on it" for r in later]
+                f"{depends}" for r in later]
 
 
 def type_name(target: QT | None) -> str:
@@ -111,6 +126,9 @@ def parse_type(text: object, where: str) -> QT | None:
     found = next((t for t in TARGET_TYPES if t.name.lower() == text.strip().lower()), None)
     if found is None:
         names = ", ".join(t.name for t in TARGET_TYPES)
+        known = next((t for t in QT if t.name.lower() == text.strip().lower()), None)
+        if known is not None:
+            raise PolicyError(f"{where}: kimi-quantize cannot write {known.name} yet; use one of {names} or keep")
         raise PolicyError(f"{where}: unknown type {text!r}; use one of {names} or keep")
     return found
 
@@ -189,15 +207,42 @@ def preset_names() -> list[str]:
 
 
 def load_policy(spec: str | Path) -> Policy:
-    """A policy file path, or the name of a shipped preset."""
+    """A policy file path, the name of a shipped preset, or the name of a llama-quantize file type (its mixture)."""
     path = Path(spec)
     if path.suffix == ".toml" or path.exists() or "/" in str(spec):
         return replace(parse_policy(_read_text(path, "policy file"), str(path)), inputs=(Input(path, "policy file"),))
     name = str(spec)
-    if name not in preset_names():
-        raise PolicyError(f"{name}: no such policy file or preset; presets: {', '.join(preset_names())}")
-    text = PRESETS.joinpath(f"{name}.toml").read_text(encoding="utf-8")
-    return parse_policy(text, f"preset {name}", origin_file=f"{name}.toml")
+    if name in preset_names():
+        text = PRESETS.joinpath(f"{name}.toml").read_text(encoding="utf-8")
+        return parse_policy(text, f"preset {name}", origin_file=f"{name}.toml")
+    if name in FILE_TYPES:
+        return mixture_policy(FILE_TYPES[name])
+    raise PolicyError(_unknown_name(name))
+
+
+def _unknown_name(name: str) -> str:
+    """The one-line refusal of a name that is neither a preset nor a file type, naming the one it may mean."""
+    ftype = next((f for f in FILE_TYPES if f.lower() == name.lower()), None)
+    preset = next((p for p in preset_names() if p.lower() == name.lower()), None)
+    if ftype is not None:
+        return (f"{name}: no such preset; did you mean llama-quantize's mixture {ftype}? (file types are upper "
+                f"case, as llama-quantize lists them; presets are lower case)")
+    if preset is not None:
+        return f"{name}: no such file type; did you mean the preset {preset}? (presets are lower case)"
+    return (f"{name}: no such policy file or preset; presets: {', '.join(preset_names())}; llama-quantize "
+            f"mixtures: {', '.join(FILE_TYPES)} (kimi-quantize --list-presets)")
+
+
+def mixture_policy(ftype: FileType) -> Policy:
+    """llama-quantize's file type `ftype` as a policy: its mixture decides, and it requires an imatrix when
+    llama-quantize would for its default type."""
+    if ftype.unavailable:
+        raise PolicyError(f"{ftype.name}: {ftype.unavailable}")
+    needs = requires_imatrix("blk.0.attn_q.weight", ftype.default, ftype)
+    return Policy(ftype.default, f"llama-quantize {ftype.name}", (), f"mixture {ftype.name}",
+                  f"llama-quantize's {ftype.name} (general.file_type {ftype.ftype}): {ftype.what}",
+                  ("imatrix",) if needs else (),
+                  f"llama-quantize's tensor_requires_imatrix, {ftype.default.name}" if needs else "", mixture=ftype)
 
 
 def parse_policy(text: str, source: str, origin_file: str | None = None) -> Policy:
