@@ -19,9 +19,9 @@ from gguf import GGML_QUANT_VERSION, GGUFValueType, LlamaFileType
 from gguf import GGMLQuantizationType as QT
 
 from ..errors import CheckpointError
-from ..gguf_io import (Chunk, GGUFFile, GGUFStreamWriter, GGUFTensor, OutTensor, check_free_disk, check_output_paths,
-                       check_split_max_size, disk_bytes, disk_room, gguf_inputs, iter_chunks_of, open_gguf,
-                       split_paths, stale_partials, written_paths)
+from ..gguf_io import (MOSTLY_Q2_0, Q2_0, Chunk, GGUFFile, GGUFStreamWriter, GGUFTensor, OutTensor, check_free_disk,
+                       check_output_paths, check_split_max_size, disk_bytes, disk_room, gguf_inputs, iter_chunks_of,
+                       open_gguf, split_paths, stale_partials, written_paths)
 from ..paths import Input, Report, refuse_overlap
 from ..model import KimiConfig
 from ..tensor_map import ggml_n_dims, gguf_group
@@ -31,7 +31,10 @@ from .policy import Policy
 CHUNK_VALUES = 4 << 20          # float32 values dequantized per chunk (16 MiB), whole rows
 SKIPPED_KEYS = ("GGUF.", "split.")
 
-# llama-quantize's file type for a default type (tools/quantize: "Q4_K" is Q4_K_M, "Q3_K" Q3_K_M, ...)
+# llama-quantize's file type for a default type (tools/quantize: "Q4_K" is Q4_K_M, "Q3_K" Q3_K_M, ...; MXFP4 is
+# MXFP4_MOE's default). NVFP4 is no llama-quantize file type (llama_ftype_get_default_type has none: "invalid
+# output file type"): MOSTLY_NVFP4 is what llama.cpp's converter writes for an NVFP4 checkpoint
+# (conversion/base.py) and what its loader guesses for a file that is mostly NVFP4 (llama-model-loader.cpp).
 FILE_TYPE = {
     QT.F32: LlamaFileType.ALL_F32, QT.F16: LlamaFileType.MOSTLY_F16, QT.BF16: LlamaFileType.MOSTLY_BF16,
     QT.Q8_0: LlamaFileType.MOSTLY_Q8_0, QT.Q4_0: LlamaFileType.MOSTLY_Q4_0, QT.Q4_1: LlamaFileType.MOSTLY_Q4_1,
@@ -39,6 +42,8 @@ FILE_TYPE = {
     QT.Q2_K: LlamaFileType.MOSTLY_Q2_K, QT.Q3_K: LlamaFileType.MOSTLY_Q3_K_M, QT.Q4_K: LlamaFileType.MOSTLY_Q4_K_M,
     QT.Q5_K: LlamaFileType.MOSTLY_Q5_K_M, QT.Q6_K: LlamaFileType.MOSTLY_Q6_K,
     QT.IQ4_NL: LlamaFileType.MOSTLY_IQ4_NL, QT.IQ4_XS: LlamaFileType.MOSTLY_IQ4_XS,
+    QT.TQ1_0: LlamaFileType.MOSTLY_TQ1_0, QT.TQ2_0: LlamaFileType.MOSTLY_TQ2_0, QT.Q1_0: LlamaFileType.MOSTLY_Q1_0,
+    Q2_0: MOSTLY_Q2_0, QT.MXFP4: LlamaFileType.MOSTLY_MXFP4_MOE, QT.NVFP4: LlamaFileType.MOSTLY_NVFP4,
 }
 
 

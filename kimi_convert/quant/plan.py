@@ -6,8 +6,9 @@ Order, per tensor (docs/policy.md):
 2. the first matching --tensor-type token, then the first matching policy rule, then the policy's default
    ("keep" = the stored type);
 3. llama-quantize's shape fallback (src/llama-quant.cpp tensor_type_fallback) when the row length is not a
-   multiple of the target's block: Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, Q2_K/Q3_K -> Q4_0,
-   IQ4_XS -> IQ4_NL, and F16 when even that does not divide it.
+   multiple of the target's block: Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, Q2_K/Q3_K/TQ1_0/TQ2_0/Q2_0 -> Q4_0,
+   IQ4_XS -> IQ4_NL, and F16 when even that does not divide it; Q1_0 and NVFP4 have none (refused, as
+   llama-quantize throws).
 So `default = "T"` alone is `llama-quantize --pure T` (plus `--tensor-type exps=mxfp4` on MXFP4 experts).
 """
 from __future__ import annotations
@@ -15,18 +16,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 
 from ..errors import KimiError
-from ..gguf_io import tensor_nbytes
+from ..gguf_io import Q2_0, QUANT_SIZES, tensor_nbytes
 from ..tensor_map import MXFP4_EXPERTS, Protection, protection
 from .policy import Policy, Rule, first_matches, type_name
 
 FLOAT_TYPES = (QT.F32, QT.F16, QT.BF16)
-# llama-quantize's shape fallback (tensor_type_fallback); 32-block types have no smaller block to go to
+# llama-quantize's shape fallback (tensor_type_fallback); 32-block types have no smaller block to go to, and
+# the other types it does not list (Q1_0, NVFP4) make it throw "no tensor type fallback is defined"
 FALLBACK = {QT.Q2_K: QT.Q4_0, QT.Q3_K: QT.Q4_0, QT.Q4_K: QT.Q5_0, QT.Q5_K: QT.Q5_1, QT.Q6_K: QT.Q8_0,
-            QT.IQ4_XS: QT.IQ4_NL}
+            QT.IQ4_XS: QT.IQ4_NL, QT.TQ1_0: QT.Q4_0, QT.TQ2_0: QT.Q4_0, Q2_0: QT.Q4_0}
 
 
 class QuantizeError(KimiError):
@@ -126,28 +127,31 @@ def decide(name: str, shape: tuple[int, ...], source: QT, policy: Policy, allow_
     else:
         wanted, why = policy.default, f"default {type_name(policy.default)} ({policy.default_origin})"
     target = source if wanted is None else wanted
-    target, why = _fallback(shape, target, why)
+    target, why = _fallback(name, shape, target, why)
     _check_possible(name, source, target, allow_requantize)
     return Decision(name, shape, source, target, why, guard, rule), None
 
 
-def _fallback(shape: tuple[int, ...], target: QT, why: str) -> tuple[QT, str]:
-    row, block = shape[-1], GGML_QUANT_SIZES[target][0]
+def _fallback(name: str, shape: tuple[int, ...], target: QT, why: str) -> tuple[QT, str]:
+    row, block = shape[-1], QUANT_SIZES[target][0]
     if row % block == 0:
         return target, why
+    if target not in FALLBACK and block > 32:
+        raise QuantizeError(f"{name}: row length {row} is not a multiple of the {target.name} block ({block}) "
+                            f"and {target.name} has no fallback type (llama-quantize: \"no tensor type fallback "
+                            f"is defined for type {target.name.lower()}\"); choose another type for this tensor")
     fallback = FALLBACK.get(target, target)
-    if row % GGML_QUANT_SIZES[fallback][0]:
+    if row % QUANT_SIZES[fallback][0]:
         fallback = QT.F16
     return fallback, f"{why}; row length {row} is not a multiple of {block}: {target.name} -> {fallback.name}, " \
                      f"as llama-quantize falls back"
 
 
 def _check_possible(name: str, source: QT, target: QT, allow_requantize: bool) -> None:
+    """A float tensor can become any type; a quantized one only itself (a byte copy: MXFP4 experts stay MXFP4,
+    even under --allow-requantize), or another type with --allow-requantize."""
     if target == source:
         return
-    if target == QT.MXFP4:
-        raise QuantizeError(f"{name}: MXFP4 is only kept, never made: the tensor is {source.name} "
-                            f"(choose another type, or keep)")
     if source not in FLOAT_TYPES and not allow_requantize:
         raise QuantizeError(f"{name}: is already {source.name}; re-quantizing it to {target.name} needs "
                             f"--allow-requantize (as llama-quantize's)")

@@ -30,13 +30,14 @@ from typing import Iterable, Iterator
 from gguf import GGMLQuantizationType as QT
 
 from ..errors import KimiError
+from ..gguf_io import Q2_0
 from ..paths import Input
 
 KEEP = None                    # the target "keep": the tensor stays as it is stored
 
-# the types kimi-quantize writes (docs/policy.md); MXFP4 only as a copy of MXFP4 experts
+# the types kimi-quantize writes (docs/policy.md)
 TARGET_TYPES = (QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K,
-                QT.Q6_K, QT.IQ4_NL, QT.IQ4_XS, QT.MXFP4)
+                QT.Q6_K, QT.IQ4_NL, QT.IQ4_XS, QT.MXFP4, QT.TQ1_0, QT.TQ2_0, QT.Q1_0, Q2_0, QT.NVFP4)
 PRESETS = resources.files("kimi_convert.quant").joinpath("presets")   # package data: presets/*.toml
 TOP_KEYS, RULE_KEYS = {"default", "rules", "description", "requires"}, {"pattern", "type", "why"}
 # what a policy may require of a run: the option that provides it, and why a policy would need it
