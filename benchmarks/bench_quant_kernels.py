@@ -25,12 +25,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gguf import GGMLQuantizationType as QT  # noqa: E402
-
+from kimi_convert.gguf_io import TYPES_BY_NAME  # noqa: E402
 from kimi_convert.interop.ggml_quants import ggml_quantize  # noqa: E402
 from kimi_convert.quant import quantize  # noqa: E402
+from kimi_convert.quant.blocks import block_type  # noqa: E402
 
-TYPES = "Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,Q2_K,Q3_K,Q4_K,Q5_K,Q6_K,IQ4_NL,IQ4_XS,F16,BF16,F32"
+TYPES = "Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,Q2_K,Q3_K,Q4_K,Q5_K,Q6_K,IQ4_NL,IQ4_XS,TQ1_0,TQ2_0,Q1_0,Q2_0,MXFP4,NVFP4,F16,BF16,F32"
 
 
 def weights_like(n_rows: int, width: int, seed: int = 0) -> np.ndarray:
@@ -69,7 +69,7 @@ def main() -> int:
     n_rows = max(2, int(args.mb * 1e6 / 4 / args.width))
     x = weights_like(n_rows, args.width)
     im = importance(args.width)
-    types = [QT[t.strip().upper()] for t in args.types.split(",")]
+    types = [TYPES_BY_NAME[t.strip().upper()] for t in args.types.split(",")]
     threads = [int(t) for t in args.threads.split(",")]
     variants = {"both": (False, True), "none": (False,), "only": (True,)}[args.imatrix]
     print(f"input: {n_rows} x {args.width} float32 = {x.nbytes / 1e6:.1f} MB; best of {args.repeats}")
@@ -78,8 +78,8 @@ def main() -> int:
     worst = 0.0
     for qt in types:
         for with_im in variants:
-            if with_im and qt in (QT.F32, QT.F16, QT.BF16, QT.Q8_0):
-                continue   # the imatrix is not used by these types
+            if with_im and not block_type(qt).uses_imatrix():
+                continue   # the imatrix is not used by this type (F32, F16, BF16, Q8_0, the low-bit types)
             qw = im if with_im else None
             quantize(x[:2], qt, qw)  # compile / load the kernels outside the timing
             for nt in threads:

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGUFValueType
+from gguf import GGUFValueType
 from gguf import GGMLQuantizationType as QT
 
 from . import mxfp4
@@ -54,7 +54,7 @@ from .checkpoint import NUMPY_DTYPE, Checkpoint, SourceTensor, bf16_to_f32, f32_
 from .convert import OUTTYPES, _text_config, ssm_a
 from .constants import INDEXER_MATRIX_TYPES, Key, T, key
 from .errors import KimiError
-from .gguf_io import GGUFFile, GGUFTensor, dequantize, gguf_parts, open_gguf, read_gguf, same_shape
+from .gguf_io import QUANT_SIZES, GGUFFile, GGUFTensor, dequantize, gguf_parts, open_gguf, read_gguf, same_shape
 from .model import KimiConfig
 from .quant.driver import imatrix_vectors, quantize_rows, row_chunks
 from .quant.plan import Decision, QuantPlan
@@ -1022,7 +1022,7 @@ def _invalid_block(t: GGUFTensor) -> str | None:
     from .quant.blocks import InvalidBlockError, supported_types, validate_blocks    # noqa: PLC0415
     if t.qtype not in supported_types():
         return None
-    block = GGML_QUANT_SIZES[t.qtype][0]
+    block = QUANT_SIZES[t.qtype][0]
     stored = t.raw.reshape(-1, t.raw.shape[-1])
     for _, a, b in row_chunks(t.shape):
         try:

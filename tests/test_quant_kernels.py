@@ -17,19 +17,23 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
+from kimi_convert.gguf_io import Q2_0, QUANT_SIZES
 from kimi_convert.interop import ggml_quants as ggml
 from kimi_convert.quant import InvalidBlockError, dequantize, quantize, row_size, validate_blocks
 
+LOW_BIT_TYPES = [QT.Q1_0, Q2_0, QT.TQ1_0, QT.TQ2_0, QT.MXFP4, QT.NVFP4]     # none uses the imatrix
 BLOCK_TYPES = [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.IQ4_NL,
-               QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_XS]
+               QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_XS, *LOW_BIT_TYPES]
 FLOAT_TYPES = [QT.F32, QT.F16, QT.BF16]
-ROW_LENGTHS_32 = (32, 96, 256, 3584, 7168)
-ROW_LENGTHS_256 = (256, 512, 768, 3584, 7168)      # 256 and 768: a Q3_K search beside zeros
+ROW_LENGTHS = {32: (32, 96, 256, 3584, 7168),
+               64: (64, 192, 512, 3584, 7168),
+               128: (128, 384, 512, 3584, 7168),
+               256: (256, 512, 768, 3584, 7168)}    # 256 and 768: a Q3_K search beside zeros
 VALUES_PER_CASE = 16384
 
 
 def row_lengths(qtype: QT) -> tuple[int, ...]:
-    return ROW_LENGTHS_256 if qtype in (QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_XS) else ROW_LENGTHS_32
+    return ROW_LENGTHS[QT_BLOCK[qtype]]
 
 
 def to_bf16_exact(x: np.ndarray) -> np.ndarray:
@@ -138,9 +142,7 @@ def first_difference(ours: np.ndarray, ref: np.ndarray, qtype: QT) -> str:
             f"ggml {ref[r, blk * size:(blk + 1) * size].tobytes().hex()}")
 
 
-QT_BLOCK = {QT.F32: 1, QT.F16: 1, QT.BF16: 1,
-            QT.Q8_0: 32, QT.Q4_0: 32, QT.Q4_1: 32, QT.Q5_0: 32, QT.Q5_1: 32, QT.IQ4_NL: 32,
-            QT.Q2_K: 256, QT.Q3_K: 256, QT.Q4_K: 256, QT.Q5_K: 256, QT.Q6_K: 256, QT.IQ4_XS: 256}
+QT_BLOCK = {t: QUANT_SIZES[t][0] for t in BLOCK_TYPES + FLOAT_TYPES}
 
 
 def test_ggml_library_loads():
@@ -183,7 +185,7 @@ def test_float_types_equal_ggml(qtype):
 @pytest.mark.parametrize("qtype", BLOCK_TYPES + FLOAT_TYPES, ids=lambda t: t.name)
 def test_dequantize_equals_ggml(qtype):
     rng = np.random.default_rng(3)
-    n = 512 if QT_BLOCK[qtype] == 256 else 96
+    n = 96 if QT_BLOCK[qtype] <= 32 else 512
     x = np.concatenate([DISTRIBUTIONS[d](rng, (4, n)) for d in ("normal", "outliers", "tiny", "sparse_one_signed")])
     q = quantize(x, qtype)
     ours = dequantize(q, qtype)
@@ -207,13 +209,15 @@ def _break_scale(q: np.ndarray, qtype: QT, block: int, offset: int, bits: int) -
     return q
 
 
-# byte offsets of the fp16 scales in each block (ggml-common.h): d, then dmin where there is one
+# byte offsets of the fp16 scales in each block (ggml-common.h): d, then dmin where there is one (MXFP4's E8M0
+# and NVFP4's UE4M3 scales: tests/test_quant_lowbit.py)
 SCALE_OFFSETS = {QT.Q8_0: (0,), QT.Q4_0: (0,), QT.Q4_1: (0, 2), QT.Q5_0: (0,), QT.Q5_1: (0, 2), QT.IQ4_NL: (0,),
                  QT.Q2_K: (80, 82), QT.Q3_K: (108,), QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,),
-                 QT.IQ4_XS: (0,)}
+                 QT.IQ4_XS: (0,), QT.Q1_0: (0,), Q2_0: (0,), QT.TQ1_0: (52,), QT.TQ2_0: (64,)}
+FP16_SCALED = [t for t in BLOCK_TYPES if t in SCALE_OFFSETS]
 
 
-@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", FP16_SCALED, ids=lambda t: t.name)
 def test_validate_blocks_as_ggml(qtype):
     rng = np.random.default_rng(5)
     q = quantize(rng.standard_normal((3, 512)).astype(np.float32), qtype)
@@ -249,7 +253,7 @@ def test_validate_blocks_floats_as_ggml():
 def test_overflowing_scale_is_invalid_in_both():
     """A block whose scale overflows fp16 is written as inf by ggml too, and then refused by validation."""
     x = np.full((1, 256), 1e9, np.float32)
-    for qtype in BLOCK_TYPES:
+    for qtype in FP16_SCALED:
         q = quantize(x, qtype)
         assert np.array_equal(q, ggml.ggml_quantize(x, qtype)), qtype.name
         assert not ggml.ggml_validate_row_data(q, qtype), qtype.name

@@ -105,10 +105,26 @@ def test_default_alone_is_llama_quantize_pure_with_its_protections_and_fallback(
 @pytest.mark.parametrize("target,row,want", [
     ("Q6_K", 128, QT.Q8_0), ("Q5_K", 96, QT.Q5_1), ("Q2_K", 64, QT.Q4_0), ("Q3_K", 32, QT.Q4_0),
     ("IQ4_XS", 160, QT.IQ4_NL), ("Q4_K", 48, QT.F16), ("Q8_0", 48, QT.F16), ("Q8_0", 96, QT.Q8_0),
+    ("TQ1_0", 128, QT.Q4_0), ("TQ2_0", 96, QT.Q4_0), ("Q2_0", 32, QT.Q4_0), ("Q2_0", 16, QT.F16),
+    ("MXFP4", 48, QT.F16), ("MXFP4", 96, QT.MXFP4), ("NVFP4", 192, QT.NVFP4), ("Q1_0", 384, QT.Q1_0),
 ])
 def test_shape_fallback_ladder(target, row, want):
     d, _ = decide("blk.0.attn_q.weight", (8, row), QT.BF16, policy(f'default = "{target}"\n'), False)
     assert d.target == want
+
+
+@pytest.mark.parametrize("target,block,row", [("Q1_0", 128, 192), ("NVFP4", 64, 96)])
+def test_no_fallback_types_refuse_a_row_they_do_not_divide(target, block, row):
+    """llama-quantize throws "no tensor type fallback is defined for type q1_0" (tensor_type_fallback's default
+    branch, blocks above 32); so does the plan, in one line naming the tensor."""
+    tensors = [*K31_TENSORS, ("blk.2.ffn_down_shexp.weight", (256, row), QT.BF16)]
+    aimed = policy(f'default = "Q8_0"\n[[rules]]\npattern = "blk\\\\.2\\\\."\ntype = "{target}"\n')
+    with pytest.raises(QuantizeError) as err:
+        plan_quantization(tensors, aimed)
+    text = str(err.value)
+    assert "\n" not in text and text.startswith(f"blk.2.ffn_down_shexp.weight: row length {row} ")
+    assert f"{target} block ({block})" in text
+    assert f"no tensor type fallback is defined for type {target.lower()}" in text
 
 
 def test_rules_first_match_tensor_types_first_and_keep():
@@ -186,9 +202,14 @@ def test_quantized_sources_and_mxfp4_targets():
         decide("blk.0.attn_q.weight", (8, 256), QT.Q8_0, policy('default = "Q4_K"\n'), False)
     d, _ = decide("blk.0.attn_q.weight", (8, 256), QT.Q8_0, policy('default = "Q8_0"\n'), False)
     assert d.copied
-    # MXFP4 from BF16 plans (llama-quantize's MXFP4_MOE does so), but is refused before writing: no kernel yet
-    d, _ = decide("blk.0.attn_q.weight", (8, 256), QT.BF16, policy('default = "MXFP4"\n'), False)
-    assert d.target == QT.MXFP4
-    with pytest.raises(QuantizeError, match=r"blk\.0\.attn_q\.weight: MXFP4 cannot be written yet \(BF16 -> MXFP4\); "
-                                            r"kimi-quantize writes .*; MXFP4 only as a copy of MXFP4 experts"):
-        check_can_write(QuantPlan([d]), None)
+    # MXFP4 is made from float tensors; a quantized one needs --allow-requantize, as for any other target
+    for source in (QT.BF16, QT.F16, QT.F32):
+        d, _ = decide("blk.0.attn_q.weight", (8, 256), source, policy('default = "MXFP4"\n'), False)
+        assert d.target == QT.MXFP4 and not d.copied and not d.requantized
+    with pytest.raises(QuantizeError, match=r"blk\.0\.attn_q\.weight: is already Q8_0; .*--allow-requantize"):
+        decide("blk.0.attn_q.weight", (8, 256), QT.Q8_0, policy('default = "MXFP4"\n'), False)
+    # MXFP4 experts aimed at MXFP4 stay a byte copy, protected or not (--allow-requantize)
+    for allow in (False, True):
+        plan = plan_quantization(K31_TENSORS, policy('default = "MXFP4"\n'), allow_requantize=allow)
+        exps = by_name(plan)["blk.1.ffn_up_exps.weight"]
+        assert exps.copied and not exps.requantized and not plan.warnings

@@ -1,6 +1,7 @@
 """kimi-quantize against llama-quantize's own code (llama_model_quantize of llama-cpp-python 0.3.36, in-process):
 `default = "T"` must equal `llama-quantize --pure T`, tensor for tensor (type, shape, bytes) and key for key
-(value and value type), for every type, with and without an imatrix, and on MXFP4 input with `exps=mxfp4`.
+(value and value type), for every type, with and without an imatrix, and on MXFP4 input with `exps=mxfp4`;
+NVFP4 and Q1_0 as --tensor-type targets, and Q1_0's refusal of a row it has no fallback for.
 Fails, never skips, when llama-cpp-python is missing."""
 from __future__ import annotations
 
@@ -12,14 +13,15 @@ from gguf import GGUFReader
 from kimi_convert.convert import build_plan, convert
 from kimi_convert.fixtures.imatrix import k3_entries, write_gguf_imatrix
 from kimi_convert.fixtures.make_checkpoint import make_checkpoint
-from kimi_convert.gguf_io import open_gguf
-from kimi_convert.interop import llama_quantize
+from kimi_convert.gguf_io import Q2_0, open_gguf
+from kimi_convert.interop import InteropError, llama_quantize
 from kimi_convert.quant.driver import FILE_TYPE, quantize_file
 from kimi_convert.quant.imatrix import load_imatrix
 from kimi_convert.quant.plan import QuantizeError
 from kimi_convert.quant.policy import parse_policy
 
-TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "F16", "BF16", "F32"]
+TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "F16", "BF16", "F32",
+         "TQ1_0", "TQ2_0", "MXFP4"]       # MXFP4: llama-quantize --pure MXFP4_MOE
 IMATRIX_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
 IMATRIX_KEYS = {"quantize.imatrix.file", "quantize.imatrix.dataset", "quantize.imatrix.entries_count",
                 "quantize.imatrix.chunks_count"}      # written by the llama-quantize tool, not by the library call
@@ -87,6 +89,58 @@ def test_with_imatrix_equals_llama_quantize(k3_bf16, k3_imatrix, tmp_path, name)
     plain = quantize_file(k3_bf16, tmp_path / "plain.gguf", policy(f'default = "{name}"\n')).paths[0]
     assert open_gguf(plain).tensors["blk.1.ffn_up_exps.weight"].raw.tobytes() != \
         open_gguf(ours).tensors["blk.1.ffn_up_exps.weight"].raw.tobytes()
+
+
+def assert_same_file_by_our_reader(ours, theirs):
+    """assert_same_file for a file gguf's GGUFReader cannot open (a Q2_0 tensor): keys (values and value types),
+    tensor types, shapes and bytes through our reader."""
+    a, b = open_gguf(ours), open_gguf(theirs)
+    keys = {k for k in set(a.fields) | set(b.fields) if not k.startswith("GGUF.")}
+    differing = {k for k in keys if (a.types.get(k), np.asarray(a.fields.get(k)).tolist()) !=
+                 (b.types.get(k), np.asarray(b.fields.get(k)).tolist())}
+    assert not differing, {k: (a.fields.get(k), b.fields.get(k)) for k in differing}
+    assert set(a.tensors) == set(b.tensors)
+    for name, t in a.tensors.items():
+        u = b.tensors[name]
+        assert (t.qtype, t.shape) == (u.qtype, u.shape), name
+        assert t.raw.tobytes() == u.raw.tobytes(), f"{name} ({t.qtype.name})"
+
+
+def test_q2_0_file_equals_llama_quantize_pure(k3_bf16, tmp_path):
+    """Q2_0, which the pinned gguf does not know (gguf_io.qtypes): written by our writer and read by our reader
+    as llama-quantize writes it; gguf's own reader refuses both files alike."""
+    ours = quantize_file(k3_bf16, tmp_path / "ours.gguf", policy('default = "Q2_0"\n')).paths[0]
+    theirs = llama_quantize(k3_bf16, tmp_path / "theirs.gguf", int(FILE_TYPE[Q2_0]), pure=True)
+    assert_same_file_by_our_reader(ours, theirs)
+    assert open_gguf(ours).tensors["blk.1.ffn_up_exps.weight"].qtype == Q2_0
+    assert open_gguf(ours).fields["general.file_type"] == 41               # LLAMA_FTYPE_MOSTLY_Q2_0
+    assert "Q2_0" not in QT.__members__, "gguf now lists Q2_0: gguf_io.qtypes.NewerType can go"
+    for path in (ours, theirs):
+        with pytest.raises(ValueError, match=r"\b42\)? is not a valid GGMLQuantizationType"):
+            GGUFReader(path)
+
+
+def test_nvfp4_and_q1_0_tensor_types_equal_llama_quantize(k3_bf16, tmp_path):
+    """NVFP4 is no llama-quantize file type, only a --tensor-type target; Q1_0 as one too (its rows must be whole
+    blocks of 128: the experts'). The file type is the default's."""
+    rules = '[[rules]]\npattern = "ffn_(gate|up)_exps"\ntype = "NVFP4"\n' \
+            '[[rules]]\npattern = "ffn_down_exps"\ntype = "Q1_0"\n'
+    ours = quantize_file(k3_bf16, tmp_path / "ours.gguf", policy(f'default = "Q8_0"\n{rules}')).paths[0]
+    theirs = llama_quantize(k3_bf16, tmp_path / "theirs.gguf", int(FILE_TYPE[QT.Q8_0]),
+                            tensor_types=[("ffn_(gate|up)_exps", int(QT.NVFP4)), ("ffn_down_exps", int(QT.Q1_0))])
+    assert_same_file(ours, theirs)
+    types = {t.name: QT(t.tensor_type) for t in GGUFReader(ours).tensors}
+    assert types["blk.1.ffn_up_exps.weight"] == QT.NVFP4 and types["blk.1.ffn_down_exps.weight"] == QT.Q1_0
+
+
+def test_q1_0_refuses_a_row_it_has_no_fallback_for_as_llama_quantize(k3_bf16, tmp_path):
+    """This fixture has rows of 64 (attn_output): llama-quantize --pure Q1_0 throws; kimi-quantize refuses in
+    one line naming the tensor, before writing anything."""
+    with pytest.raises(InteropError, match="no tensor type fallback is defined for type q1_0"):
+        llama_quantize(k3_bf16, tmp_path / "theirs.gguf", int(FILE_TYPE[QT.Q1_0]), pure=True)
+    with pytest.raises(QuantizeError, match=r"^blk\.\d+\.\w+\.weight: row length \d+ .*no tensor type fallback"):
+        quantize_file(k3_bf16, tmp_path / "ours.gguf", policy('default = "Q1_0"\n'))
+    assert not (tmp_path / "ours.gguf").exists()
 
 
 def test_mxfp4_experts_copied_as_llama_quantize_exps_mxfp4(tmp_path):

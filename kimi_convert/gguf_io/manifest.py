@@ -19,10 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from gguf import GGML_QUANT_SIZES
-
 from ..errors import CheckpointError
 from ..paths import helper_stem
+from .qtypes import QUANT_SIZES, TYPES_BY_NAME
 
 MANIFEST_FORMAT = "kimi-convert GGUF manifest"
 MANIFEST_VERSION = 1
@@ -30,7 +29,6 @@ JOURNAL_NAME = "manifest.journal"       # inside the partial folder: the plan, t
 READ_BLOCK = 8 << 20                     # bytes hashed per read when checking
 MAX_MANIFEST = 256 << 20                 # ~150 bytes a tensor: 497,220 tensors would take 75 MB
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-_QTYPES = {t.name: t for t in GGML_QUANT_SIZES}
 
 
 class ManifestError(CheckpointError):
@@ -142,13 +140,13 @@ def _tensor(obj: Any, where: str) -> TensorEntry:
     name = _get(obj, "name", str, where)
     where = f"tensor {name}"
     qtype = _get(obj, "type", str, where)
-    if qtype not in _QTYPES:
+    if qtype not in TYPES_BY_NAME:
         raise _Fault(f"{where}: unknown type {qtype!r}")
     shape = _get(obj, "shape", list, where)
     if not shape or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape):
         raise _Fault(f"{where}: shape {shape} is not a list of positive integers")
     nbytes = _get(obj, "nbytes", int, where)
-    block, size = GGML_QUANT_SIZES[_QTYPES[qtype]]
+    block, size = QUANT_SIZES[TYPES_BY_NAME[qtype]]
     n = 1
     for d in shape[:-1]:
         n *= d

@@ -32,13 +32,14 @@ from pathlib import Path
 from typing import Any, Iterator, Union
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUFValueType
+from gguf import GGUF_DEFAULT_ALIGNMENT, GGUFValueType
 from gguf import GGMLQuantizationType as QT
 from gguf import quants as gguf_quants
 
 from ..errors import CheckpointError
 from ..paths import Input
 from ..gcutil import gc_paused        # full collections over 500k new objects find nothing
+from .qtypes import QUANT_SIZES, TYPES_BY_ID
 from .writer import COPY_CHUNK, FileRange, tensor_nbytes
 
 VT = GGUFValueType
@@ -65,7 +66,6 @@ _ELEMENT = {t: np.dtype(d) for t, d in {       # array elements; BOOL as bytes, 
     VT.UINT8: "<u1", VT.INT8: "<i1", VT.UINT16: "<u2", VT.INT16: "<i2", VT.UINT32: "<u4", VT.INT32: "<i4",
     VT.FLOAT32: "<f4", VT.BOOL: "u1", VT.UINT64: "<u8", VT.INT64: "<i8", VT.FLOAT64: "<f8"}.items()}
 _VALUE_TYPES = {int(t): t for t in VT}
-_QTYPES = {int(t): t for t in GGML_QUANT_SIZES}
 # the types whose stored values gguf's reader (and so ours) gives as typed arrays; the rest as bytes
 _TYPED = {QT.F16: np.float16, QT.F32: np.float32, QT.F64: np.float64, QT.I8: np.int8, QT.I16: np.int16,
           QT.I32: np.int32, QT.I64: np.int64}
@@ -130,7 +130,7 @@ class GGUFTensor:
             if typed is not None:
                 self._raw = data.view(typed).reshape(self.shape)
             else:
-                block, size = GGML_QUANT_SIZES[self.qtype]
+                block, size = QUANT_SIZES[self.qtype]
                 self._raw = data.reshape(self.shape[:-1] + (self.shape[-1] // block * size,))
         return self._raw
 
@@ -394,7 +394,7 @@ def _alignment(fields: dict[str, Any], types: dict[str, ValueTypes]) -> int:
 # name -> (type, numpy shape, offset in the data section, bytes)
 _Infos = dict[str, tuple[QT, Shape, int, int]]
 _DIMS_TYPE_OFFSET = {n: struct.Struct(f"<{n}QIQ") for n in range(1, MAX_DIMS + 1)}
-_TYPE_SIZES = {raw: (qtype, *GGML_QUANT_SIZES[qtype]) for raw, qtype in _QTYPES.items()}
+_TYPE_SIZES = {raw: (qtype, *QUANT_SIZES[qtype]) for raw, qtype in TYPES_BY_ID.items()}
 
 
 def _read_tensor_infos(cur: _Cursor, n_tensors: int, alignment: int) -> _Infos:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Union
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGUFValueType, GGUFWriter
+from gguf import GGUFValueType, GGUFWriter
 from gguf import GGMLQuantizationType as QT
 from gguf.gguf_writer import WriterState
 
@@ -37,13 +37,14 @@ from ..errors import CheckpointError, DiskSpaceError, OutputError
 from ..interrupts import deferred, deliver_postponed
 from ..paths import FOLDER, IN_PLACE, Input, Output, Report, check_name_fits, helper_stem, refuse_overlap
 from . import manifest as mf
+from .qtypes import QUANT_SIZES
 
 COPY_CHUNK = 64 << 20
 
 
 def tensor_nbytes(qtype: QT, shape: tuple[int, ...]) -> int:
     """Bytes of a tensor of numpy-order `shape` stored as `qtype`."""
-    block, size = GGML_QUANT_SIZES[qtype]
+    block, size = QUANT_SIZES[qtype]
     if shape[-1] % block:
         raise ValueError(f"row length {shape[-1]} is not a multiple of the {qtype.name} block ({block})")
     return int(np.prod(shape[:-1], dtype=np.int64)) * (shape[-1] // block) * size

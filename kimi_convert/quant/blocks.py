@@ -4,7 +4,8 @@ Each class names the ggml function its kernels mirror, for the two paths ``ggml_
 (ggml.c -> ``quantize_<type>`` in ggml-quants.c): without an imatrix most types run their
 ``quantize_row_<type>_ref``; with one, their ``quantize_row_<type>_impl``. Q8_0 ignores the imatrix.
 IQ4_NL and IQ4_XS always run ``quantize_row_iq4_nl_impl`` with ntry=7 (weights x^2 when there is no imatrix);
-``quantize_row_iq4_nl_ref`` (ntry=-1) is a different quantizer that llama-quantize never calls.
+``quantize_row_iq4_nl_ref`` (ntry=-1) is a different quantizer that llama-quantize never calls. The low-bit
+types TQ1_0, TQ2_0, Q1_0, Q2_0, MXFP4 and NVFP4 ignore the imatrix (Q1_0 and Q2_0 run their _ref row by row).
 """
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ from functools import lru_cache
 from typing import Callable, ClassVar, Iterable
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
+from gguf import GGMLQuantizationType as QT
 from gguf import quants as _gguf_quants
 
+from ..gguf_io import Q2_0 as _Q2_0
+from ..gguf_io import QUANT_SIZES, ggml_type
 from ..native import Kernel
 
 KERNELS = "kimi_convert.quant.kernels"      # the numba source of the kernels below, a module per family
@@ -51,13 +54,15 @@ class BlockType:
     mirrors: ClassVar[str]                      # the ggml function behind ggml_quantize_chunk(..., imatrix=NULL)
     mirrors_imatrix: ClassVar[str | None] = None  # ... and with an imatrix; None: the imatrix is not used
     scale_offsets: ClassVar[tuple[int, ...]] = ()  # byte offsets of the fp16 scales ggml_validate_row_data checks
+    e8m0_offsets: ClassVar[tuple[int, ...]] = ()   # ... and of its E8M0 scales (0xFF is invalid)
     _ref: ClassVar[Kernel | None] = None
     _impl: ClassVar[Kernel | None] = None
+    _to_f32: ClassVar[Kernel | None] = None       # our dequantizer, for the types gguf-py has none of (Q1_0, Q2_0)
 
     def __init_subclass__(cls, qtype: QT, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
         cls.qtype = qtype
-        cls.block_size, cls.type_size = GGML_QUANT_SIZES[qtype]
+        cls.block_size, cls.type_size = QUANT_SIZES[qtype]
         assert qtype not in _REGISTRY
         _REGISTRY[qtype] = cls
 
@@ -97,6 +102,9 @@ class BlockType:
     def to_float32(cls, data: np.ndarray, buf: np.ndarray) -> np.ndarray:
         """Stored rows (block bytes, or values) -> float32 [n_rows, n_per_row], as ggml's to_float; into
         ``buf`` where the type can (gguf-py's dequantizers, equal to ggml's, allocate their own)."""
+        if cls._to_f32 is not None:
+            cls._to_f32(np.ascontiguousarray(data, dtype=np.uint8), buf)
+            return buf
         return np.asarray(_gguf_quants.dequantize(data, cls.qtype), dtype=np.float32)
 
 
@@ -265,9 +273,53 @@ class IQ4_XS(BlockType, qtype=QT.IQ4_XS):
     _impl = _weighted("iq4", "iq4_xs_impl_rows")
 
 
+# --- low-bit types, none of which uses the imatrix (kernels.lowbit) ---
+
+def _dequantizer(name: str) -> Kernel:
+    """A kernel ``name(q, out)``: block bytes [n_rows, row bytes] -> float32 [n_rows, n_per_row]."""
+    return Kernel(f"{KERNELS}.lowbit", name, "u8_2d", "f32_2d")
+
+
+class Q1_0(BlockType, qtype=QT.Q1_0):
+    mirrors = "quantize_row_q1_0_ref"  # quantize_q1_0 runs it row by row with quant_weights, unused
+    scale_offsets = (0,)
+    _ref = _rows("lowbit", "q1_0_rows")
+    _to_f32 = _dequantizer("q1_0_to_f32_rows")
+
+
+class Q2_0(BlockType, qtype=_Q2_0):
+    mirrors = "quantize_row_q2_0_ref"  # as Q1_0
+    scale_offsets = (0,)
+    _ref = _rows("lowbit", "q2_0_rows")
+    _to_f32 = _dequantizer("q2_0_to_f32_rows")
+
+
+class TQ1_0(BlockType, qtype=QT.TQ1_0):
+    mirrors = "quantize_row_tq1_0_ref"  # quantize_tq1_0 ignores quant_weights
+    scale_offsets = (52,)
+    _ref = _rows("lowbit", "tq1_0_rows")
+
+
+class TQ2_0(BlockType, qtype=QT.TQ2_0):
+    mirrors = "quantize_row_tq2_0_ref"  # quantize_tq2_0 ignores quant_weights
+    scale_offsets = (64,)
+    _ref = _rows("lowbit", "tq2_0_rows")
+
+
+class MXFP4(BlockType, qtype=QT.MXFP4):
+    mirrors = "quantize_row_mxfp4_ref"  # quantize_mxfp4 ignores quant_weights
+    e8m0_offsets = (0,)
+    _ref = _rows("lowbit", "mxfp4_rows")
+
+
+class NVFP4(BlockType, qtype=QT.NVFP4):
+    mirrors = "quantize_row_nvfp4_ref"  # quantize_nvfp4 ignores quant_weights; every UE4M3 byte is valid to ggml
+    _ref = _rows("lowbit", "nvfp4_rows")
+
+
 def block_type(qtype: QT) -> type[BlockType]:
     try:
-        return _REGISTRY[QT(qtype)]
+        return _REGISTRY[ggml_type(qtype)]
     except (KeyError, ValueError):
         names = ", ".join(t.name for t in _REGISTRY)
         raise ValueError(f"no quantizer for ggml type {getattr(qtype, 'name', qtype)} (have {names})") from None
@@ -278,12 +330,12 @@ def supported_types() -> tuple[QT, ...]:
 
 
 class StoredType:
-    """Rows of a ggml type that is read but never written here (MXFP4 experts under --allow-requantize):
-    widened to float32 by gguf-py's dequantizer, which equals ggml's to_float."""
+    """Rows of a ggml type that is read but never written here (IQ2_XXS, ..., re-quantized under
+    --allow-requantize): widened to float32 by gguf-py's dequantizer, which equals ggml's to_float."""
 
     def __init__(self, qtype: QT):
-        self.qtype = QT(qtype)
-        self.block_size, self.type_size = GGML_QUANT_SIZES[self.qtype]
+        self.qtype = ggml_type(qtype)
+        self.block_size, self.type_size = QUANT_SIZES[self.qtype]
 
     def to_float32(self, data: np.ndarray, buf: np.ndarray) -> np.ndarray:
         return np.asarray(_gguf_quants.dequantize(data, self.qtype), dtype=np.float32)
@@ -291,7 +343,7 @@ class StoredType:
 
 def source_type(qtype: QT) -> "type[BlockType] | StoredType":
     """What reads rows stored as ``qtype``: its block type, or a StoredType for a type that is only copied."""
-    return _REGISTRY[QT(qtype)] if QT(qtype) in _REGISTRY else StoredType(qtype)
+    return _REGISTRY[qtype] if qtype in _REGISTRY else StoredType(qtype)
 
 
 # --- the API: quantize, dequantize, validate ---
@@ -424,7 +476,8 @@ def dequantize(data: np.ndarray, qtype: QT, *, threads: int | None = None) -> np
 
 def validate_blocks(data: np.ndarray, qtype: QT) -> None:
     """ggml_validate_row_data: raise InvalidBlockError at the first NaN/Inf fp16 scale (d, then dmin, per
-    block), or for F16/BF16/F32 data at the first NaN/Inf value (BF16: NaNs before infinities, as ggml)."""
+    block) or E8M0 scale of 0xFF (MXFP4), or for F16/BF16/F32 data at the first NaN/Inf value (BF16: NaNs
+    before infinities, as ggml). NVFP4's UE4M3 scales are all valid to ggml."""
     bt = block_type(qtype)
     raw = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1)
     if raw.size % bt.type_size:
@@ -445,6 +498,10 @@ def validate_blocks(data: np.ndarray, qtype: QT) -> None:
         _raise_first(bt.qtype, (h & 0x7C00) == 0x7C00, (h & 0x03FF) != 0)
     else:
         blocks = raw.reshape(-1, bt.type_size)
+        for o in bt.e8m0_offsets:                   # (no type has both E8M0 and fp16 scales)
+            invalid = blocks[:, o] == 0xFF
+            if invalid.any():
+                raise InvalidBlockError(bt.qtype, int(np.argmax(invalid)), "invalid e")
         # an fp16 is Inf or NaN when its exponent bits (0x7C of its high, second byte) are all set; one byte
         # read per scale, and the [n_blocks, n_scales] table (in the order ggml checks them: d before dmin)
         # made only when one is

@@ -19,9 +19,9 @@ from gguf import GGML_QUANT_VERSION, GGUFValueType, LlamaFileType
 from gguf import GGMLQuantizationType as QT
 
 from ..errors import CheckpointError
-from ..gguf_io import (Chunk, GGUFFile, GGUFStreamWriter, GGUFTensor, OutTensor, check_free_disk, check_output_paths,
-                       check_split_max_size, disk_bytes, disk_room, gguf_inputs, iter_chunks_of, open_gguf,
-                       split_paths, stale_partials, written_paths)
+from ..gguf_io import (MOSTLY_Q2_0, Q2_0, Chunk, GGUFFile, GGUFStreamWriter, GGUFTensor, OutTensor, check_free_disk,
+                       check_output_paths, check_split_max_size, disk_bytes, disk_room, gguf_inputs, iter_chunks_of,
+                       open_gguf, split_paths, stale_partials, written_paths)
 from ..paths import Input, Report, refuse_overlap
 from ..model import KimiConfig
 from ..tensor_map import ggml_n_dims, gguf_group
@@ -32,8 +32,11 @@ from .policy import Policy
 CHUNK_VALUES = 4 << 20          # float32 values dequantized per chunk (16 MiB), whole rows
 SKIPPED_KEYS = ("GGUF.", "split.")
 
-# llama-quantize's file type for a default type: the file type of that name ("Q4_K" is Q4_K_M, "Q3_K" Q3_K_M, ...)
-FILE_TYPE = PURE_FILE_TYPE
+# llama-quantize's file type for a default type: the file type of that name ("Q4_K" is Q4_K_M, "Q3_K" Q3_K_M, ...);
+# MXFP4 is MXFP4_MOE's default. NVFP4 is no llama-quantize file type (llama_ftype_get_default_type has none:
+# "invalid output file type"): MOSTLY_NVFP4 is what llama.cpp's converter writes for an NVFP4 checkpoint
+# (conversion/base.py) and what its loader guesses for a file that is mostly NVFP4 (llama-model-loader.cpp).
+FILE_TYPE = {**PURE_FILE_TYPE, QT.MXFP4: LlamaFileType.MOSTLY_MXFP4_MOE, QT.NVFP4: LlamaFileType.MOSTLY_NVFP4}
 
 
 @dataclass

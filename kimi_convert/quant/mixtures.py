@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from importlib import metadata
 from typing import TYPE_CHECKING, Iterable, Sequence
 
-from gguf import GGML_QUANT_SIZES, LlamaFileType
 from gguf import GGMLQuantizationType as QT
 
 from ..errors import KimiError
+from ..gguf_io.qtypes import FILE_TYPES_BY_NAME, QUANT_SIZES, TYPES_BY_NAME
 
 if TYPE_CHECKING:
     from ..model import KimiConfig
@@ -36,8 +35,8 @@ FLOAT_TYPES = (QT.F32, QT.F16, QT.BF16)
 
 
 def _types(*names: str) -> tuple[QT, ...]:
-    """The ggml types of these names that gguf knows: Q2_0 (ggml type 42) is missing from gguf 0.19.0."""
-    return tuple(QT[n] for n in names if n in QT.__members__)
+    """The ggml types of these names (gguf_io.qtypes: gguf's, and Q2_0, which gguf 0.19.0 lacks)."""
+    return tuple(TYPES_BY_NAME[n] for n in names)
 
 
 # tensor_type_fallback: the type a tensor gets when its row length (ne0) is not a multiple of the target's block.
@@ -66,10 +65,10 @@ class MixtureError(KimiError):
 @dataclass(frozen=True)
 class FileType:
     """One of llama-quantize's file types: its name, its `general.file_type` id and its default tensor type
-    (llama_ftype_get_default_type; None: a type gguf does not know, Q2_0)."""
+    (llama_ftype_get_default_type)."""
     name: str
     ftype: int
-    default: QT | None
+    default: QT
     what: str
     alias_of: str = ""              # "Q4_K" is "Q4_K_M" (llama-quantize lists both)
 
@@ -84,23 +83,11 @@ class FileType:
         quantized one (not F32/F16/BF16)."""
         return self.default not in FLOAT_TYPES
 
-    @property
-    def unavailable(self) -> str:
-        """Why this file type cannot even be planned here, or ""."""
-        if self.default is not None:
-            return ""
-        return (f"llama-quantize's {self.name} makes ggml type {self.name} (id 42), which gguf "
-                f"{metadata.version('gguf')} (the GGUF library kimi-convert is pinned to) does not know: it "
-                f"cannot be planned or written yet")
-
 
 def _file_type(name: str, default: str, what: str, alias_of: str = "") -> FileType:
     key = "ALL_F32" if name == "F32" else f"MOSTLY_{alias_of or name}"
-    ftype = int(LlamaFileType[key]) if key in LlamaFileType.__members__ else Q2_0_FTYPE
-    return FileType(name, ftype, (_types(default) or (None,))[0], what, alias_of)
+    return FileType(name, int(FILE_TYPES_BY_NAME[key]), TYPES_BY_NAME[default], what, alias_of)
 
-
-Q2_0_FTYPE = 41                 # LLAMA_FTYPE_MOSTLY_Q2_0 (include/llama.h); gguf 0.19.0 lacks it and the type
 
 # In llama-quantize's --help order. `what` is ours: what the rules below do to a K3 file.
 FILE_TYPES: dict[str, FileType] = {ft.name: ft for ft in (
@@ -157,8 +144,7 @@ FILE_TYPES: dict[str, FileType] = {ft.name: ft for ft in (
 )}
 
 # the ftype of a pure policy (`default = "Q4_K"`): the file type of that name, as llama-quantize reads "Q4_K"
-PURE_FILE_TYPE = {ft.default: ft.ftype for ft in FILE_TYPES.values() if ft.default is not None
-                  and ft.default.name == ft.name}
+PURE_FILE_TYPE = {ft.default: ft.ftype for ft in FILE_TYPES.values() if ft.default.name == ft.name}
 
 
 def requires_imatrix(name: str, target: QT, ftype: FileType | None) -> bool:
@@ -171,13 +157,13 @@ def requires_imatrix(name: str, target: QT, ftype: FileType | None) -> bool:
 def fallback_type(target: QT, row: int) -> QT:
     """tensor_type_fallback: `target` when rows of `row` values fit its blocks, else its fallback (F16 when the
     fallback's blocks do not fit either). MixtureError for Q1_0 and NVFP4, which have none."""
-    block = GGML_QUANT_SIZES[target][0]
+    block = QUANT_SIZES[target][0]
     if row % block == 0:
         return target
     if target not in FALLBACK and block > 32:
         raise MixtureError(f"no shape fallback for {target.name} (llama-quantize stops there too)")
     fallback = FALLBACK.get(target, target)
-    return QT.F16 if row % GGML_QUANT_SIZES[fallback][0] else fallback
+    return QT.F16 if row % QUANT_SIZES[fallback][0] else fallback
 
 
 # ------------------------------------------------------------------------------------
@@ -322,7 +308,7 @@ class Mixture:
         what = "output" if not self.tied_embeddings else "output (token_embd, tied)"
         if ft == "MXFP4_MOE":
             return QT.Q8_0, f"{what} under MXFP4_MOE: Q8_0"
-        if row % GGML_QUANT_SIZES[default][0]:
+        if row % QUANT_SIZES[default][0]:
             return QT.Q8_0, f"{what}, rows of {row} do not fit {default.name} blocks: Q8_0"
         if ft in OUTPUT_Q5_K:
             return QT.Q5_K, f"{what}: Q5_K"

@@ -7,7 +7,8 @@ Order, per tensor (docs/policy.md):
    (llama-quantize's rules for its file type, quant/mixtures.py) or its default ("keep" = the stored type);
 3. llama-quantize's shape fallback (src/llama-quant.cpp tensor_type_fallback, mixtures.FALLBACK) when the row
    length is not a multiple of the target's block: Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, Q2_K/Q3_K -> Q4_0,
-   IQ4_XS and the IQ1-IQ3 types -> IQ4_NL, and F16 when even that does not divide it.
+   TQ1_0/TQ2_0/Q2_0 -> Q4_0, IQ4_XS and the IQ1-IQ3 types -> IQ4_NL, and F16 when even that does not divide
+   it; Q1_0 and NVFP4 have none (refused, as llama-quantize throws).
 So `default = "T"` alone is `llama-quantize --pure T` (plus `--tensor-type exps=mxfp4` on MXFP4 experts), and the
 mixture of file type F is `llama-quantize F`. A mixture's counters advance in llama-quantize's tensor order, so
 with one the tensors are decided in that order (mixtures.llama_order); the plan keeps the file's.
@@ -20,11 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Container, Iterable
 
-from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 
 from ..errors import KimiError
-from ..gguf_io import tensor_nbytes
+from ..gguf_io import QUANT_SIZES, tensor_nbytes
 from ..tensor_map import MXFP4_EXPERTS, Protection, protection
 from .blocks import supported_types
 from .mixtures import FLOAT_TYPES, Mixture, MixtureError, ModelFacts, fallback_type, llama_order, requires_imatrix
@@ -200,12 +200,14 @@ def _fallback(name: str, shape: tuple[int, ...], target: QT, why: str) -> tuple[
             from None
     if fallback == target:
         return target, why
-    block = GGML_QUANT_SIZES[target][0]
+    block = QUANT_SIZES[target][0]
     return fallback, f"{why}; row length {row} is not a multiple of {block}: {target.name} -> {fallback.name}, " \
                      f"as llama-quantize falls back"
 
 
 def _check_possible(name: str, source: QT, target: QT, allow_requantize: bool) -> None:
+    """A float tensor can become any type; a quantized one only itself (a byte copy: MXFP4 experts stay MXFP4,
+    even under --allow-requantize), or another type with --allow-requantize."""
     if target == source:
         return
     if source not in FLOAT_TYPES and not allow_requantize:
@@ -226,10 +228,9 @@ def write_blockers(plan: QuantPlan, imatrix: Container[str] | None, imatrix_path
     unwritable = [d for d in plan.decisions if not d.copied and d.target not in writable]
     if unwritable:
         d, also = unwritable[0], {x.target.name for x in unwritable} - {unwritable[0].target.name}
-        hint = "; MXFP4 only as a copy of MXFP4 experts" if d.target == QT.MXFP4 else ""
         out.append(f"{d.name}: {d.target.name} cannot be written yet ({d.source.name} -> {d.target.name}"
                    + (f"; also {', '.join(sorted(also))}" if also else "") + f"); kimi-quantize writes "
-                   f"{', '.join(t.name for t in writable)}{hint}")
+                   f"{', '.join(t.name for t in writable)}")
     needing = [d for d in plan.decisions if d.needs_imatrix]
     if needing and imatrix is None:
         d = needing[0]

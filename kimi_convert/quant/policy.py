@@ -236,8 +236,6 @@ def _unknown_name(name: str) -> str:
 def mixture_policy(ftype: FileType) -> Policy:
     """llama-quantize's file type `ftype` as a policy: its mixture decides, and it requires an imatrix when
     llama-quantize would for its default type."""
-    if ftype.unavailable:
-        raise PolicyError(f"{ftype.name}: {ftype.unavailable}")
     needs = requires_imatrix("blk.0.attn_q.weight", ftype.default, ftype)
     return Policy(ftype.default, f"llama-quantize {ftype.name}", (), f"mixture {ftype.name}",
                   f"llama-quantize's {ftype.name} (general.file_type {ftype.ftype}): {ftype.what}",
