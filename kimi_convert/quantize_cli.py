@@ -45,12 +45,9 @@ def list_presets(value: bool) -> None:
     show("llama-quantize's mixtures (its file types, upper case; the file `llama-quantize IN OUT NAME` writes, "
          "with our protections):")
     for ft in FILE_TYPES.values():
-        if ft.unavailable:
-            state = f"  (not available: gguf has no {ft.name} type)"
-        else:
-            needs = load_policy(ft.name).requires
-            state = ("  (requires: imatrix)" if needs else "") + \
-                    ("" if ft.default in supported_types() else f"  (cannot write {ft.default.name} yet)")
+        needs = load_policy(ft.name).requires
+        state = ("  (requires: imatrix)" if needs else "") + \
+                ("" if ft.default in supported_types() else f"  (cannot write {ft.default.name} yet)")
         what = f"alias of {ft.alias_of}" if ft.alias_of else ft.what
         show(f"  {ft.name:<10}  file type {ft.ftype}: {what}{state}")
     raise typer.Exit()

@@ -22,7 +22,7 @@ from kimi_convert.convert import build_plan, convert
 from kimi_convert.fixtures.imatrix import k3_entries, write_gguf_imatrix
 from kimi_convert.fixtures.make_checkpoint import build_config, make_checkpoint
 from kimi_convert.fixtures.real_size import REAL_VISION, real_spec
-from kimi_convert.gguf_io import open_gguf
+from kimi_convert.gguf_io import ggml_type, open_gguf
 from kimi_convert.interop import llama_quant_types
 from kimi_convert.interop.llama_cpp_convert import upstream_snapshots
 from kimi_convert.model import KimiConfig
@@ -33,7 +33,7 @@ from kimi_convert.tensor_map import gguf_tensor_types
 from test_convert_errors import assert_fails_cleanly, run_cli
 from test_quantize_cli import quantize
 
-PLANNABLE = [ft for ft in FILE_TYPES.values() if not ft.unavailable]      # all but Q2_0 (gguf 0.19.0 lacks it)
+PLANNABLE = list(FILE_TYPES.values())
 
 # ------------------------------------------------------------------------------------ the snapshots
 
@@ -111,7 +111,7 @@ def test_types_equal_llama_cpp_snapshot(model):
     facts = ModelFacts(header["n_layer"], header.get("n_expert", 0),
                        header["n_head"] // header["n_head_kv"] if header["n_head_kv"] else 0)
     # every file type but the aliases, Q1_0 and Q2_0 (test-quant-type-selection.cpp's name table lacks both)
-    assert set(sections) == {ft.name for ft in PLANNABLE if not ft.alias_of} - {"Q1_0"}
+    assert set(sections) == {ft.name for ft in PLANNABLE if not ft.alias_of} - {"Q1_0", "Q2_0"}
     wrong = []
     for name, (default, differing) in sections.items():
         ftype = FILE_TYPES[name]
@@ -152,8 +152,8 @@ def test_types_equal_llama_quant_compute_types_on_real_k3(n_expert, n_head_kv):
         ours = {d.name: d for d in plan.decisions if d.protection is None}
         expected = theirs[ftype.ftype]
         assert set(ours) == set(expected), ftype.name
-        wrong += [f"[{ftype.name}] {n}: ours {ours[n].target.name}, llama.cpp {QT(t).name} ({ours[n].why})"
-                  for n, t in expected.items() if QT(t) != ours[n].target]
+        wrong += [f"[{ftype.name}] {n}: ours {ours[n].target.name}, llama.cpp {ggml_type(t).name} ({ours[n].why})"
+                  for n, t in expected.items() if ggml_type(t) != ours[n].target]
     assert not wrong, f"{len(wrong)} differ:\n" + "\n".join(wrong[:20])
 
 
@@ -172,9 +172,9 @@ def test_k31_indexer_stays_as_it_is_where_llama_quantize_would_quantize_it():
         assert len(indexer) == 3 * 24
         for n, t in theirs[ftype.ftype].items():
             if ".indexer." in n:
-                assert QT(t) != QT.BF16 and decisions[n].copied and decisions[n].protection.kind == "indexer", n
+                assert ggml_type(t) != QT.BF16 and decisions[n].copied and decisions[n].protection.kind == "indexer", n
             else:
-                assert decisions[n].target == QT(t), (ftype.name, n, decisions[n].why)
+                assert decisions[n].target == ggml_type(t), (ftype.name, n, decisions[n].why)
 
 
 # ------------------------------------------------------------------------------------ policies and the command line
@@ -206,7 +206,6 @@ def out_dir(tmp_path):
     ("q4_k_m", ["q4_k_m: no such preset; did you mean llama-quantize's mixture Q4_K_M?", "upper case"]),
     ("K3-Q4", ["K3-Q4: no such file type; did you mean the preset k3-q4?"]),
     ("Q9_K", ["Q9_K: no such policy file or preset", "presets: k3-native", "mixtures: Q1_0, Q2_0"]),
-    ("Q2_0", ["Q2_0: llama-quantize's Q2_0 makes ggml type Q2_0 (id 42), which gguf 0.19.0", "cannot be planned"]),
 ])
 def test_a_name_of_the_other_kind_is_refused_with_what_it_may_mean(files, out_dir, name, needles):
     src, _, _ = files
@@ -237,20 +236,26 @@ def test_explain_names_the_mixture_rule(files):
     assert "protected (llama.cpp)" in lines["blk.0.attn_norm.weight"]
 
 
-def test_a_type_not_writable_yet_plans_and_is_refused_before_writing(files, out_dir):
+def test_a_type_not_writable_yet_plans_and_is_refused_before_writing(files, out_dir, monkeypatch):
+    """A file type whose default has no kernel here (none today; a ggml type llama.cpp adds tomorrow) plans and
+    is refused before a byte is written: TQ1_0 taken out of the registry stands for it."""
+    import kimi_convert.quant.plan as plan_mod
+    from test_cli_defence import run
+    writable = tuple(t for t in plan_mod.supported_types() if t != QT.TQ1_0)
+    monkeypatch.setattr(plan_mod, "supported_types", lambda: writable)
     src, _, _ = files
-    r = quantize("--policy", "TQ1_0", src, "--explain")
-    assert r.returncode == 0, r.stderr
-    assert "BF16 -> TQ1_0" in next(x for x in r.stdout.splitlines() if x.startswith("blk.0.attn_q.weight "))
-    assert "BF16 -> Q4_K" in next(x for x in r.stdout.splitlines() if x.startswith("token_embd.weight "))
-    assert "note: writing this plan is refused: blk.0.attn_q.weight: TQ1_0 cannot be written yet" in r.stderr
-    d = quantize("--policy", "TQ1_0", src, "--dry-run")
-    assert d.returncode == 0 and "TQ1_0" in d.stdout and "n/a" in d.stdout, d.stderr
-    r = quantize("--policy", "TQ1_0", src, out_dir / "q.gguf")
-    assert_fails_cleanly(out_dir, r, "blk.0.attn_q.weight: TQ1_0 cannot be written yet (BF16 -> TQ1_0)",
-                         "kimi-quantize writes F32, F16, BF16, Q8_0")
-    r = quantize("--policy", "MXFP4_MOE", src, out_dir / "q.gguf")
-    assert_fails_cleanly(out_dir, r, "blk.1.ffn_gate_exps.weight: MXFP4 cannot be written yet (BF16 -> MXFP4)")
+    r = run("kimi-quantize", "--policy", "TQ1_0", src, "--explain")
+    assert r.code == 0, r.err
+    assert "BF16 -> TQ1_0" in next(x for x in r.out.splitlines() if x.startswith("blk.0.attn_q.weight "))
+    assert "BF16 -> Q4_K" in next(x for x in r.out.splitlines() if x.startswith("token_embd.weight "))
+    assert "note: writing this plan is refused: blk.0.attn_q.weight: TQ1_0 cannot be written yet" in r.err
+    d = run("kimi-quantize", "--policy", "TQ1_0", src, "--dry-run")
+    assert d.code == 0 and "TQ1_0" in d.out and "TQ1_0 cannot be written yet" in d.err, d.err
+    r = run("kimi-quantize", "--policy", "TQ1_0", src, out_dir / "q.gguf")
+    line = r.one_error()
+    assert "blk.0.attn_q.weight: TQ1_0 cannot be written yet (BF16 -> TQ1_0)" in line and \
+        "kimi-quantize writes F32, F16, BF16, Q8_0" in line
+    assert not list(out_dir.iterdir())
 
 
 def test_imatrix_requirements_as_llama_quantize(files, out_dir):
@@ -285,8 +290,8 @@ def test_q1_0_has_no_shape_fallback(files):
     from kimi_convert.quant.driver import plan_file
     from kimi_convert.quant.plan import QuantizeError
     src, _, _ = files
-    with pytest.raises(QuantizeError, match=r"^blk\.0\.attn_output\.weight: rows of 64 values are not a multiple of "
-                                            r"Q1_0's block, and no shape fallback for Q1_0"):
+    with pytest.raises(QuantizeError, match=r"^blk\.0\.attn_output\.weight: row length 64 is not a multiple of the "
+                                            r"Q1_0 block \(128\) and Q1_0 has no fallback type"):
         plan_file(open_gguf(src), load_policy("Q1_0"))
     config, tensors = real_k3()
     plan = plan_quantization(tensors, load_policy("Q1_0"), model=ModelFacts.of(config))
@@ -294,15 +299,15 @@ def test_q1_0_has_no_shape_fallback(files):
 
 
 def test_kimi_convert_takes_the_mixture_names(files, out_dir):
-    """kimi-convert --policy reads the names as kimi-quantize does: a mixture plans in its dry run, and one whose
-    types cannot be written yet is refused before a byte is written."""
+    """kimi-convert --policy reads the names as kimi-quantize does: a mixture plans in its dry run and writes."""
     src, _, _ = files
     hf = src.parent / "Kimi-K3-tiny"
     r = run_cli(str(hf), str(out_dir / "c.gguf"), "--policy", "TQ2_0", "--dry-run")
+    assert r.returncode == 0 and "TQ2_0" in r.stdout, r.stderr
+    r = run_cli(str(hf), str(out_dir / "c.gguf"), "--policy", "TQ2_0")
     assert r.returncode == 0, r.stderr
-    assert "TQ2_0" in r.stdout and "n/a" in r.stdout
-    assert "writing this plan is refused: blk.0.attn_q.weight: TQ2_0 cannot be written yet" in r.stderr
-    assert_fails_cleanly(out_dir, run_cli(str(hf), str(out_dir / "c.gguf"), "--policy", "TQ2_0"),
-                         "blk.0.attn_q.weight: TQ2_0 cannot be written yet (BF16 -> TQ2_0)")
+    assert QT.TQ2_0 in {t.qtype for t in open_gguf(out_dir / "c.gguf").tensors.values()}
+    (out_dir / "c.gguf").unlink()
+    (out_dir / "c.gguf.manifest.json").unlink()
     assert_fails_cleanly(out_dir, run_cli(str(hf), str(out_dir / "c.gguf"), "--policy", "iq2_xxs"),
                          "did you mean llama-quantize's mixture IQ2_XXS?")

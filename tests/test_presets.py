@@ -258,7 +258,8 @@ def test_list_presets():
     mixtures = {line.split()[0]: line for line in mixtures_part.splitlines()[1:]}
     assert set(mixtures) == set(FILE_TYPES) and not set(mixtures) & set(rows)
     assert "file type 15: Q4_K;" in mixtures["Q4_K_M"] and "alias of Q4_K_M" in mixtures["Q4_K"]
-    assert "(requires: imatrix)  (cannot write IQ2_XXS yet)" in mixtures["IQ2_XXS"]
-    assert "(requires: imatrix)" in mixtures["Q2_K_S"] and "cannot write" not in mixtures["Q2_K_S"]
-    assert "not available: gguf has no Q2_0 type" in mixtures["Q2_0"]
+    assert "(requires: imatrix)" in mixtures["IQ2_XXS"] and "(requires: imatrix)" in mixtures["Q2_K_S"]
+    from kimi_convert.quant.blocks import supported_types
+    assert all(("cannot write" in mixtures[n]) == (ft.default not in supported_types()) for n, ft in FILE_TYPES.items())
+    assert "file type 41: Q2_0" in mixtures["Q2_0"]
     assert "--list-presets" in quantize("--help").stdout

@@ -161,7 +161,8 @@ def fallback_type(target: QT, row: int) -> QT:
     if row % block == 0:
         return target
     if target not in FALLBACK and block > 32:
-        raise MixtureError(f"no shape fallback for {target.name} (llama-quantize stops there too)")
+        raise MixtureError(f"{target.name} has no fallback type (llama-quantize: \"no tensor type fallback is "
+                           f"defined for type {target.name.lower()}\")")
     fallback = FALLBACK.get(target, target)
     return QT.F16 if row % QUANT_SIZES[fallback][0] else fallback
 

@@ -196,8 +196,8 @@ def _fallback(name: str, shape: tuple[int, ...], target: QT, why: str) -> tuple[
     try:
         fallback = fallback_type(target, row)
     except MixtureError as e:
-        raise QuantizeError(f"{name}: rows of {row} values are not a multiple of {target.name}'s block, and {e}") \
-            from None
+        raise QuantizeError(f"{name}: row length {row} is not a multiple of the {target.name} block "
+                            f"({QUANT_SIZES[target][0]}) and {e}; choose another type for this tensor") from None
     if fallback == target:
         return target, why
     block = QUANT_SIZES[target][0]
