@@ -15,17 +15,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 from gguf import quants as gguf_quants
 
 from . import ggml_cpu_quant as gq
+from .gguf_io.qtypes import Q2_0, QUANT_SIZES
 from .ggml_cpu_quant import F32, I64, QK, KBlocks, fma, hsum8, mul, to_f32
 
 GRID_TYPES = (QT.IQ2_XXS, QT.IQ2_XS, QT.IQ2_S, QT.IQ3_XXS, QT.IQ3_S, QT.IQ1_S, QT.IQ1_M)   # tiled / vec_dot
 TERNARY_TYPES = (QT.TQ1_0, QT.TQ2_0)
 Q8_K_TYPES = GRID_TYPES + TERNARY_TYPES        # vec_dot_type Q8_K (ggml-cpu.c type_traits_cpu)
-Q8_0_TYPES = (QT.Q1_0, QT.NVFP4)              # vec_dot_type Q8_0
+Q8_0_TYPES = (QT.Q1_0, Q2_0, QT.NVFP4)        # vec_dot_type Q8_0
 LOWBIT_TYPES = Q8_K_TYPES + Q8_0_TYPES
 
 # The power of two each grid type's vec_dot multiplies its sum by last, and tiled/tiled.cpp folds into the
@@ -33,8 +33,8 @@ LOWBIT_TYPES = Q8_K_TYPES + Q8_0_TYPES
 GRID_FACTOR = {QT.IQ2_XXS: 0.125, QT.IQ2_XS: 0.125, QT.IQ2_S: 0.125, QT.IQ3_XXS: 0.25, QT.IQ3_S: 1.0,
                QT.IQ1_S: 0.125, QT.IQ1_M: 0.125}
 IQ1_DELTA = 0.125                  # IQ1S_DELTA = IQ1M_DELTA
-Q1_0_BLOCK, NVFP4_BLOCK = GGML_QUANT_SIZES[QT.Q1_0][0], GGML_QUANT_SIZES[QT.NVFP4][0]
-assert Q1_0_BLOCK == 4 * QK and NVFP4_BLOCK == 2 * QK       # the Q8_0 blocks their kernels walk per block
+Q1_0_BLOCK, Q2_0_BLOCK, NVFP4_BLOCK = (QUANT_SIZES[t][0] for t in (QT.Q1_0, Q2_0, QT.NVFP4))
+assert Q1_0_BLOCK == 4 * QK and Q2_0_BLOCK == NVFP4_BLOCK == 2 * QK   # the Q8_0 blocks their kernels walk per block
 TQ1_POW3 = np.array([1, 3, 9, 27, 81], I64)
 
 
@@ -59,7 +59,7 @@ UE4M3 = np.asarray(gguf_quants.NVFP4.ue4m3_to_fp32(np.arange(256, dtype=np.uint8
 
 
 def _blocks(raw: np.ndarray, qtype: QT) -> np.ndarray:
-    size = GGML_QUANT_SIZES[qtype][1]
+    size = QUANT_SIZES[qtype][1]
     return np.ascontiguousarray(raw, np.uint8).reshape(raw.shape[0], -1, size)
 
 
@@ -329,6 +329,39 @@ def vec_dot_q1_0(x: np.ndarray, blocks: tuple[np.ndarray, np.ndarray]) -> np.nda
     return hsum8(acc)
 
 
+def decode_q2_0(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """block_q2_0: (codes [M, nb, 64] in -1..2 -- the 2 bits at (j % 4) * 2 of byte j / 4, minus 1 --, d [M, nb])."""
+    blk = _blocks(raw, Q2_0)
+    qs = blk[..., 2:18].astype(I64)
+    codes = ((qs[..., None] >> np.array([0, 2, 4, 6])) & 3) - 1
+    return codes.reshape(*blk.shape[:2], Q2_0_BLOCK), _f16(blk[..., 0:2])
+
+
+def dequantize_q2_0(raw: np.ndarray) -> np.ndarray:
+    """dequantize_row_q2_0 (gguf-py has none) of raw blocks [..., row bytes]: code * d, f32 (exact)."""
+    raw = np.asarray(raw, np.uint8)
+    codes, d = decode_q2_0(raw.reshape(-1, raw.shape[-1]))
+    return (codes * d[..., None]).astype(F32).reshape(*raw.shape[:-1], -1)
+
+
+def vec_dot_q2_0(x: np.ndarray, blocks: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+    """ggml_vec_dot_q2_0_q8_0 [T, M]: x86 runs ggml's generic C, with the two FMAs gcc contracts it to
+    (libggml-cpu.so: vfmadd231ss): per 64-block, exact integer sums s_k of its 2 Q8_0 blocks,
+    a = fma(d_xk, f32(s_k), a) from a = 0, then sum = fma(d_w, a, sum), block after block."""
+    codes, d = blocks
+    qx, dx = gq.quantize_q8_0(x, gq.X86_AVX2)
+    n_tok, (n_rows, nb) = x.shape[0], d.shape
+    s = np.einsum("mbke,tbke->tmbk", codes.reshape(n_rows, nb, 2, QK).astype(np.float64),
+                  qx.reshape(n_tok, nb, 2, QK).astype(np.float64))
+    dx = dx.reshape(n_tok, nb, 2)
+    total = np.zeros((n_tok, n_rows), F32)
+    for b in range(nb):
+        a = mul(dx[:, None, b, 0], to_f32(s[:, :, b, 0]))
+        a = fma(dx[:, None, b, 1], to_f32(s[:, :, b, 1]), a)
+        total = fma(d[None, :, b], a, total)
+    return total
+
+
 def decode_nvfp4(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """block_nvfp4: (codes [M, nb, 64] kvalues_mxfp4 integers -- per 16, 8 low nibbles then 8 high --,
     scales [M, nb, 4] ggml_ue4m3_to_fp32 of d[4], which includes the 1/2 of the doubled codes)."""
@@ -367,6 +400,8 @@ def decode(raw: np.ndarray, qtype: QT):
         return decode_ternary(raw, qtype)
     if qtype == QT.Q1_0:
         return decode_q1_0(raw)
+    if qtype == Q2_0:
+        return decode_q2_0(raw)
     if qtype == QT.NVFP4:
         return decode_nvfp4(raw)
     raise ValueError(f"not a low-bit type: {qtype.name}")
@@ -378,5 +413,7 @@ def vec_dot(x: np.ndarray, qtype: QT, blocks) -> np.ndarray:
         return vec_dot_grid(x, blocks)
     if qtype in TERNARY_TYPES:
         return vec_dot_ternary(x, blocks)
-    return vec_dot_q1_0(x, blocks) if qtype == QT.Q1_0 else vec_dot_nvfp4(x, blocks)
+    if qtype == QT.Q1_0:
+        return vec_dot_q1_0(x, blocks)
+    return vec_dot_q2_0(x, blocks) if qtype == Q2_0 else vec_dot_nvfp4(x, blocks)
 

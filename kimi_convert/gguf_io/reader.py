@@ -39,7 +39,7 @@ from gguf import quants as gguf_quants
 from ..errors import CheckpointError
 from ..paths import Input
 from ..gcutil import gc_paused        # full collections over 500k new objects find nothing
-from .qtypes import QUANT_SIZES, TYPES_BY_ID
+from .qtypes import Q2_0, QUANT_SIZES, TYPES_BY_ID
 from .writer import COPY_CHUNK, FileRange, tensor_nbytes
 
 VT = GGUFValueType
@@ -103,10 +103,10 @@ class _MappedPart:
 
 def dequantize(raw: np.ndarray, qtype: QT) -> np.ndarray:
     """ggml's to_float (dequantize_row_<type>) of raw blocks [..., row bytes]: gguf.quants, bit for bit with ggml
-    for every type it has (tests/test_ggml_cpu.py), and Q1_0, which it lacks, from ggml_cpu_lowbit."""
-    if qtype == QT.Q1_0:
-        from ..ggml_cpu_lowbit import dequantize_q1_0  # noqa: PLC0415 (its grid tables, on first use: 0.1 s)
-        return dequantize_q1_0(raw)
+    for every type it has (tests/test_ggml_cpu.py), and Q1_0 and Q2_0, which it lacks, from ggml_cpu_lowbit."""
+    if qtype in (QT.Q1_0, Q2_0):
+        from ..ggml_cpu_lowbit import dequantize_q1_0, dequantize_q2_0  # noqa: PLC0415 (its grid tables: 0.1 s)
+        return dequantize_q1_0(raw) if qtype == QT.Q1_0 else dequantize_q2_0(raw)
     return gguf_quants.dequantize(raw, qtype)
 
 
