@@ -22,7 +22,7 @@ NODE_PKG_VERSION=26.12.1
 # VDPBF16PS and a 64-wide loop with a double-precision tail, on an AVX2-only CPU 8/32-lane f32 sums, and the
 # interop tests see different last bits on different machines (docs/verification.md §8). Pinning the ISA to
 # x86-64-v3 (AVX2+FMA+F16C+BMI2) and tinyBLAS (LLAMAFILE) + weight repacking (REPACK) makes every CPU of our
-# kind run the one path that kimi_convert.runtime emulates.
+# kind run the one path that kimi_convert.runtime.forward emulates.
 GGML_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
 -DGGML_BMI2=ON -DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF \
 -DGGML_AVX512_BF16=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DGGML_LLAMAFILE=ON \
@@ -32,7 +32,7 @@ REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 INTEROP_DIR="${KIMI_INTEROP_DIR:-$REPO_ROOT/.interop}"
 PYTHON="${PYTHON:-python}"
 # numeric_paths.py (stdlib only) knows what the pinned build's llama_print_system_info() reports, exactly
-NUMERIC_PATHS="$REPO_ROOT/kimi_convert/interop/numeric_paths.py"
+NUMERIC_PATHS="$REPO_ROOT/kimi_interop/numeric_paths.py"
 PINNED_SYSTEM_INFO="$("$PYTHON" "$NUMERIC_PATHS" pinned-system-info)"
 # the built wheel is kept outside the clone, so that another clone on this machine reinstalls it in seconds
 WHEEL_DIR="${KIMI_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kimi-convert/wheels}/llama-cpp-python-$LLAMA_CPP_PYTHON_VERSION-x86-64-v3"
@@ -126,7 +126,7 @@ fi
 
 # 3. llama.cpp's own converter (convert_hf_to_gguf.py, conversion/, gguf-py/, models/templates/) from the same
 #    llama-cpp-python sdist, unpacked into $INTEROP_DIR/llama.cpp for the conformance tests
-#    (kimi_convert/interop/llama_cpp_convert.py). It is run there, never copied into the repo.
+#    (kimi_interop/llama_cpp_convert.py). It is run there, never copied into the repo.
 tree="$INTEROP_DIR/llama.cpp"
 src="llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION/vendor/llama.cpp"
 sdist=""

@@ -201,13 +201,13 @@ def kimi_convert(hf: Path, out: Path, *extra: str) -> Run:
 
 
 def kimi_quantize(src: Path, out: Path, policy: str) -> Run:
-    code = "import sys; from kimi_convert.quantize_cli import main; sys.argv[0] = 'kimi-quantize'; main()"
+    code = "import sys; from kimi_convert.cli.quantize import main; sys.argv[0] = 'kimi-quantize'; main()"
     return run_measured([sys.executable, "-c", code, str(src), str(out), "--policy", policy, "--force"],
                         tool_env())
 
 
 def llama_quantize(src: Path, out: Path, ftype: int, tensor_types: list[tuple[str, int]]) -> Run:
-    code = ("import json, sys; from kimi_convert.interop.llama_cpp import llama_quantize; "
+    code = ("import json, sys; from kimi_interop.llama_cpp import llama_quantize; "
             "a = json.loads(sys.argv[1]); "
             "llama_quantize(a['src'], a['out'], a['ftype'], pure=True, threads=2, "
             "tensor_types=[tuple(t) for t in a['types']])")
@@ -273,8 +273,8 @@ def remove(*paths: Path) -> None:
 
 def check_expert_bits(hf: Path, gguf: Path) -> str:
     """One routed expert, GGUF vs shard, bit for bit (so the timed output is a real conversion)."""
-    from kimi_convert import mxfp4
-    from kimi_convert.checkpoint import Checkpoint
+    from kimi_convert.convert import mxfp4
+    from kimi_convert.convert.checkpoint import Checkpoint
     from kimi_convert.gguf_io import open_gguf
     ck, g = Checkpoint(hf), open_gguf(gguf)
     name = next(n for n in g.tensors if n.endswith("ffn_down_exps.weight"))
@@ -526,7 +526,7 @@ def generate(hf: Path, spec) -> Path:
 
 
 def _converted_bytes(hf: Path) -> int:
-    from kimi_convert.convert import build_plan
+    from kimi_convert.convert.converter import build_plan
     return build_plan(hf).total_bytes
 
 

@@ -38,7 +38,7 @@ GGML = """
 import sys, time
 sys.path.insert(0, {root!r})
 from gguf import GGMLQuantizationType as QT
-from kimi_convert.interop.ggml_quants import _lib
+from kimi_interop.ggml_quants import _lib
 lib = _lib()
 t = time.perf_counter()
 lib.ggml_quantize_init(int(QT[{name!r}]))

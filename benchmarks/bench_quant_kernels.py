@@ -26,7 +26,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kimi_convert.gguf_io import TYPES_BY_NAME  # noqa: E402
-from kimi_convert.interop.ggml_quants import ggml_quantize  # noqa: E402
+from kimi_interop.ggml_quants import ggml_quantize  # noqa: E402
 from kimi_convert.quant import quantize  # noqa: E402
 from kimi_convert.quant.blocks import block_type  # noqa: E402
 

@@ -29,14 +29,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from kimi_convert.convert import build_plan, convert  # noqa: E402
+from kimi_convert.convert.converter import build_plan, convert  # noqa: E402
 from kimi_convert.fixtures.make_checkpoint import make_checkpoint  # noqa: E402
 
 DEFAULT_TYPES = "Q8_0,Q4_0,Q5_0,Q2_K,Q3_K,Q4_K,Q5_K,Q6_K,IQ4_NL,IQ4_XS"
 
 LLAMA = """
 import os, sys, time
-from kimi_convert.interop import llama_quantize
+from kimi_interop import llama_quantize
 llama_quantize(sys.argv[1], sys.argv[2], int(sys.argv[3]), pure=True, threads=2)
 start = time.perf_counter()
 fd = os.open(sys.argv[2], os.O_RDONLY)
@@ -56,7 +56,7 @@ from gguf import GGMLQuantizationType as QT
 from kimi_convert.quant.blocks import load_kernels
 load_kernels([(QT.BF16, QT[sys.argv[1]], False)])
 """
-LLAMA_IMPORTS = "\nfrom kimi_convert.interop import llama_quantize\n"
+LLAMA_IMPORTS = "\nfrom kimi_interop import llama_quantize\n"
 WARM = """
 from kimi_convert.gguf_io import open_gguf
 from kimi_convert.quant.blocks import load_kernels
@@ -73,6 +73,8 @@ for t in sys.argv[1].split(","):      # every kernel of each plan, its shape fal
 # and CI images, would make every child compile each module it imports that has no .pyc yet): the warm-up
 # run writes it, the timed runs read it. Both sides get the same environment.
 CHILD_ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+# the children import kimi_interop (tests and benchmarks only, not installed) from the repo root
+CHILD_ENV["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
 
 PEAK = "\nimport sys\nsys.stderr.write(next(l for l in open('/proc/self/status') if l.startswith('VmHWM')))\n"
 

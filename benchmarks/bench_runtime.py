@@ -29,7 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kimi_convert.runtime import Runtime  # noqa: E402
+from kimi_convert.runtime.forward import Runtime  # noqa: E402
 
 
 def rss_anon_bytes() -> int:
@@ -59,7 +59,7 @@ def gib(n: float) -> str:
 def fixture_model() -> Path:
     import tempfile
     from kimi_convert.fixtures.make_checkpoint import make_checkpoint
-    from kimi_convert.convert import build_plan, convert
+    from kimi_convert.convert.converter import build_plan, convert
     work = Path(tempfile.mkdtemp(prefix="bench-runtime-"))
     hf = make_checkpoint(work / "Kimi-K3-tiny", arch="k3")
     convert(build_plan(hf, "f32"), work / "k3-f32.gguf")
@@ -104,7 +104,7 @@ def main() -> int:
     print(f"routed experts dequantised: {len(rt.loaded_experts)}")
     hf_dir = model.parent / "Kimi-K3-tiny"
     if args.model is None and hf_dir.exists():          # baseline in the same run: the torch reference
-        from kimi_convert.reference import ReferenceModel
+        from kimi_convert.runtime.reference import ReferenceModel
         ref = ReferenceModel(hf_dir)
         ref.logits(list(ids))                            # warm-up (weights load, torch init)
         t0 = time.perf_counter()

@@ -1,3 +1,3 @@
-from .cli import convert_main
+from .cli.convert import convert_main
 
 convert_main()

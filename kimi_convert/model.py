@@ -103,7 +103,7 @@ class KimiConfig:
     # --- from HF ---
     @classmethod
     def from_hf_dir(cls, hf_dir: Path) -> "KimiConfig":
-        from .checkpoint import read_input      # regular files only, opened without blocking
+        from .convert.checkpoint import read_input      # regular files only, opened without blocking
         path = Path(hf_dir) / "config.json"
         text = read_input(path, MAX_CONFIG_BYTES, ConfigError)
         try:

@@ -195,21 +195,21 @@ def load_apps() -> None:
     import io
     from contextlib import redirect_stderr, redirect_stdout
 
-    import kimi_convert.checkpoint  # noqa: F401
-    import kimi_convert.convert  # noqa: F401
+    import kimi_convert.convert.checkpoint  # noqa: F401
+    import kimi_convert.convert.converter  # noqa: F401
     import kimi_convert.quant.driver  # noqa: F401
     import kimi_convert.quant.imatrix  # noqa: F401
-    import kimi_convert.slice  # noqa: F401
-    import kimi_convert.verify  # noqa: F401
-    import kimi_convert.vocab  # noqa: F401
+    import kimi_convert.verify.slice  # noqa: F401
+    import kimi_convert.verify.check  # noqa: F401
+    import kimi_convert.convert.vocab  # noqa: F401
     from gguf import GGMLQuantizationType as QT
-    from kimi_convert import cli, quantize_cli, verify_cli
+    from kimi_convert.cli import common, convert as convert_cli, quantize as quantize_cli, verify as verify_cli
     from kimi_convert.quant.blocks import load_kernels
-    APPS.update({"kimi-convert": cli.convert_app, "kimi-quantize": quantize_cli.app, "kimi-verify": verify_cli.app})
+    APPS.update({"kimi-convert": convert_cli.convert_app, "kimi-quantize": quantize_cli.app, "kimi-verify": verify_cli.app})
     for prog, app in APPS.items():
         with redirect_stdout(io.StringIO()), redirect_stderr(io.StringIO()):
             try:
-                cli.run_app(app, prog, ["--bogus-option-to-load-the-parser"])
+                common.run_app(app, prog, ["--bogus-option-to-load-the-parser"])
             except SystemExit:
                 pass
     targets = [getattr(QT, t) for t in QUANT_TYPES]
@@ -291,7 +291,7 @@ def _child(prog: str, args: list, cwd: Path, unprivileged: bool, mask) -> None:
             signal.signal(s, signal.default_int_handler if s == signal.SIGINT else signal.SIG_DFL)
         if unprivileged and os.geteuid() == 0:
             drop_dac_capabilities()
-        from kimi_convert.cli import Defence, run_app
+        from kimi_convert.cli.common import Defence, run_app
         try:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             run_app(APPS[prog], prog, [str(a) for a in args])

@@ -40,7 +40,7 @@ _INHERITED = _default_interrupts()
 # under -q, and attached to every failing interop test, so that a failure says which arithmetic ran.
 
 def _numeric_paths() -> list[str]:
-    from kimi_convert.interop.numeric_paths import numeric_paths
+    from kimi_interop.numeric_paths import numeric_paths
     return numeric_paths()
 
 
@@ -79,7 +79,7 @@ def k31_dir(tmp_path_factory) -> Path:
 
 
 def _convert(hf_dir: Path, out: Path, outtype: str) -> Path:
-    from kimi_convert.convert import build_plan, convert
+    from kimi_convert.convert.converter import build_plan, convert
     convert(build_plan(hf_dir, outtype), out)
     return out
 

@@ -3,7 +3,7 @@ paths. Each fault class is refused with one line naming the file and the tensor 
 
 For headers, safetensors' own reader (`safe_open`) is the reference. Every header case here is also
 given to it. The property tests check, on generated and mutated headers, that we accept exactly what
-it accepts, except the two refusals of our own (kimi_convert/safetensors_header.py's docstring).
+it accepts, except the two refusals of our own (kimi_convert/convert/safetensors_header.py's docstring).
 """
 from __future__ import annotations
 
@@ -23,11 +23,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 
-from kimi_convert.checkpoint import INDEX_NAME, MAX_INDEX_BYTES, Checkpoint, read_shard_header
+from kimi_convert.convert.checkpoint import INDEX_NAME, MAX_INDEX_BYTES, Checkpoint, read_shard_header
 from kimi_convert.errors import CheckpointError, ConfigError
 from kimi_convert.fixtures.make_checkpoint import FixtureSpec, build_config
 from kimi_convert.model import MAX_CONFIG_BYTES, KimiConfig
-from kimi_convert.safetensors_header import DTYPE_BITS, MAX_HEADER_BYTES
+from kimi_convert.convert.safetensors_header import DTYPE_BITS, MAX_HEADER_BYTES
 from test_convert_errors import assert_fails_cleanly, index, run_cli, shard_of, write_index
 
 # deterministic (derandomize) and writing no example database into the tree

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-CONVERT = "from kimi_convert.cli import convert_main; convert_main()"
-VERIFY = "from kimi_convert.verify_cli import main; main()"
+CONVERT = "from kimi_convert.cli.convert import convert_main; convert_main()"
+VERIFY = "from kimi_convert.cli.verify import main; main()"
 
 
 def run(entry: str, *args) -> subprocess.CompletedProcess:
@@ -78,7 +78,7 @@ def file_modes(d: Path) -> dict[str, int]:
 def test_fixture_and_slice_files_have_ordinary_modes(tmp_path, umask):
     """Files 0666 and folders 0777 less the umask, like any file a user makes (not 0600)."""
     from kimi_convert.fixtures.make_checkpoint import make_checkpoint
-    from kimi_convert.slice import slice_checkpoint
+    from kimi_convert.verify.slice import slice_checkpoint
     old = os.umask(umask)
     try:
         ckpt = make_checkpoint(tmp_path / "ckpt", arch="k3", n_layers=4)

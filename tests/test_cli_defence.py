@@ -1,4 +1,4 @@
-"""The last line of defence of kimi-convert, kimi-quantize and kimi-verify (kimi_convert.cli.run_app), and the
+"""The last line of defence of kimi-convert, kimi-quantize and kimi-verify (kimi_convert.cli.common.run_app), and the
 checks in front of it: an exception no check named is one `error: internal error while reading FILE (please
 report): ...` line (the traceback with --debug) after the writer's cleanup; usage mistakes, bad option values and
 bad path arguments are one `error:` line each; and a known fault never reaches the defence at all."""
@@ -19,13 +19,13 @@ from pathlib import Path
 
 import pytest
 
-import kimi_convert.convert as convert_mod
+import kimi_convert.convert.converter as convert_mod
 import kimi_convert.quant.driver as driver_mod
-from kimi_convert import cli, quantize_cli, verify_cli
-from kimi_convert.cli import Defence, run_app
+from kimi_convert.cli import common, convert as convert_cli, quantize as quantize_cli, verify as verify_cli
+from kimi_convert.cli.common import Defence, run_app
 
 ROOT = Path(__file__).resolve().parents[1]
-APPS = {"kimi-convert": cli.convert_app, "kimi-quantize": quantize_cli.app, "kimi-verify": verify_cli.app}
+APPS = {"kimi-convert": convert_cli.convert_app, "kimi-quantize": quantize_cli.app, "kimi-verify": verify_cli.app}
 INJECTED = "injected fault"
 
 
@@ -133,7 +133,7 @@ def test_unexpected_exception_in_quantize_names_the_input_and_leaves_nothing(mon
 
 
 def test_unexpected_exception_in_verify_names_the_file(monkeypatch, gguf):
-    import kimi_convert.verify as verify_mod
+    import kimi_convert.verify.check as verify_mod
 
     def boom(*a, **k):
         raise KeyError("tokenizer.ggml.tokens")
@@ -181,7 +181,7 @@ def test_a_successful_run_reaches_no_fallback(k3_dir, out_dir):
 
 def test_sigterm_during_a_slice_leaves_nothing(monkeypatch, k3_dir, out_dir):
     """kimi-verify slice unwinds on SIGTERM as the writers do (found by scripts/campaign.py, seed 2 run 705)."""
-    import kimi_convert.slice as slice_mod
+    import kimi_convert.verify.slice as slice_mod
     write = slice_mod._write_shard
 
     def terminated(*args):
@@ -330,8 +330,8 @@ def test_a_slice_into_a_file_is_one_error_line(k3_dir, gguf):
 
 
 def test_split_sizes_are_decimal_exact():
-    assert cli.parse_size("1.1G") == 1_100_000_000 and cli.parse_size("50g") == 50 * 10**9
-    assert cli.parse_size(" 900M ") == 900 * 10**6 and cli.parse_size("1234567") == 1234567
+    assert common.parse_size("1.1G") == 1_100_000_000 and common.parse_size("50g") == 50 * 10**9
+    assert common.parse_size(" 900M ") == 900 * 10**6 and common.parse_size("1234567") == 1234567
 
 
 def test_a_report_into_a_fifo_nobody_reads_is_an_error_not_a_hang(gguf, tmp_path):
@@ -433,10 +433,10 @@ def test_unreadable_inputs_are_one_error_line(open_tmp, gguf, k3_dir):
     policy = open_tmp / "p.toml"
     policy.write_text('default = "Q8_0"\n')
     policy.chmod(0)
-    cases = [(src, ["kimi_convert.quantize_cli", "main", "--policy", "q8_0", src, open_tmp / "q.gguf"]),
-             (src, ["kimi_convert.verify_cli", "main", "check", src]),
-             (policy, ["kimi_convert.quantize_cli", "main", "--policy", policy, gguf, open_tmp / "q.gguf"]),
-             (shard, ["kimi_convert.cli", "convert_main", ckpt, open_tmp / "x.gguf"])]
+    cases = [(src, ["kimi_convert.cli.quantize", "main", "--policy", "q8_0", src, open_tmp / "q.gguf"]),
+             (src, ["kimi_convert.cli.verify", "main", "check", src]),
+             (policy, ["kimi_convert.cli.quantize", "main", "--policy", policy, gguf, open_tmp / "q.gguf"]),
+             (shard, ["kimi_convert.cli.convert", "convert_main", ckpt, open_tmp / "x.gguf"])]
     for bad, args in cases:
         before = listing(open_tmp)
         r = run_unreadable(open_tmp, *args)
@@ -625,5 +625,5 @@ def test_a_known_gguf_fault_is_named_by_its_own_check(fault, gguf, tmp_path, out
 def test_the_regular_file_check_keeps_a_symlink_to_one(gguf, tmp_path):
     link = tmp_path / "link.gguf"
     link.symlink_to(gguf)
-    cli.check_input_file(link)
+    common.check_input_file(link)
     assert stat.S_ISLNK(os.lstat(link).st_mode)

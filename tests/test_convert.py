@@ -308,7 +308,7 @@ def test_every_key_matches_the_config(arch, converted, k3_dir, k31_dir):
 
 
 def test_split_output_equals_unsplit(tmp_path, k31_dir, converted):
-    from kimi_convert.convert import build_plan, convert
+    from kimi_convert.convert.converter import build_plan, convert
     single = converted("k31")
     res = convert(build_plan(k31_dir), tmp_path / "split.gguf", split_max_tensors=60)
     assert len(res.paths) == 4 and res.paths[0].name == "split-00001-of-00004.gguf"
@@ -329,7 +329,7 @@ def test_split_output_equals_unsplit(tmp_path, k31_dir, converted):
 
 
 def test_split_by_size(tmp_path, k3_dir):
-    from kimi_convert.convert import build_plan, convert
+    from kimi_convert.convert.converter import build_plan, convert
     plan = build_plan(k3_dir)
     res = convert(plan, tmp_path / "s.gguf", split_max_size=1_000_000)
     assert len(res.paths) == plan.n_files(0, 1_000_000) > 1
@@ -341,7 +341,7 @@ def test_split_by_size(tmp_path, k3_dir):
 def test_buffered_and_direct_writes_give_the_same_file(tmp_path, k31_dir, monkeypatch):
     """O_DIRECT staging (the default where the file system has it) and plain buffered writes agree."""
     from kimi_convert import gguf_io
-    from kimi_convert.convert import build_plan, convert
+    from kimi_convert.convert.converter import build_plan, convert
     sinks = []
     real_open_sink = gguf_io.writer.open_sink
     monkeypatch.setattr(gguf_io.writer, "open_sink",
@@ -360,7 +360,7 @@ def test_staging_buffers_are_sized_to_the_write(tmp_path, k31_dir, monkeypatch):
     touched for the first time is what costs here, and a small file does not need 96 MiB of it. The file
     itself does not change (test_buffered_and_direct_writes_give_the_same_file)."""
     from kimi_convert import gguf_io
-    from kimi_convert.convert import build_plan, convert
+    from kimi_convert.convert.converter import build_plan, convert
     sink = gguf_io.writer.DirectSink
     assert sink.stage_size(None) == sink.stage_size(16 * sink.STAGE) == sink.stage_size(10**12) == 32 << 20
     assert sink.stage_size(143_000_000) == 8 << 20 and sink.stage_size(16 * sink.STAGE - 1) == 16 << 20
@@ -381,7 +381,7 @@ def test_the_output_is_flushed_as_it_is_written(tmp_path, k31_dir, monkeypatch, 
     left: with 1 MiB staging buffers and flushes, the file is synced several times before it is complete,
     each time with more of it written, and it still equals a file written without early flushes."""
     from kimi_convert import gguf_io
-    from kimi_convert.convert import build_plan, convert
+    from kimi_convert.convert.converter import build_plan, convert
     plain = convert(build_plan(k31_dir, "f32"), tmp_path / "plain.gguf").paths[0]
     cls = getattr(gguf_io.writer, sink)
     monkeypatch.setattr(gguf_io.writer, "open_sink", cls)
@@ -403,7 +403,7 @@ def test_a_failed_background_flush_fails_the_write(tmp_path, k31_dir, monkeypatc
     with nothing renamed into place."""
     import errno
     from kimi_convert import gguf_io
-    from kimi_convert.convert import build_plan, convert
+    from kimi_convert.convert.converter import build_plan, convert
     cls = getattr(gguf_io.writer, sink)
     monkeypatch.setattr(gguf_io.writer, "open_sink", cls)
     monkeypatch.setattr(cls, "STAGE" if sink == "DirectSink" else "WRITEBACK", 1 << 20)

@@ -22,7 +22,7 @@ def cli_command(args, patch: str = "") -> list[str]:
     """kimi-convert ARGS, with `patch` (Python run first, to fake a disk or slow the writer) if given."""
     if not patch:
         return [sys.executable, "-m", "kimi_convert", *map(str, args)]
-    code = patch + "\nfrom kimi_convert.cli import convert_main\nconvert_main()\n"
+    code = patch + "\nfrom kimi_convert.cli.convert import convert_main\nconvert_main()\n"
     return [sys.executable, "-c", code, *map(str, args)]
 
 
@@ -199,7 +199,7 @@ def refusing_pwrite(monkeypatch, error: int, direct_only: bool) -> list[int]:
 
 def test_o_direct_refused_at_the_first_write_falls_back_to_buffered(tmp_path, k3_dir, converted, monkeypatch):
     """Some file systems accept O_DIRECT at open and refuse the write (EINVAL): same file, buffered."""
-    from kimi_convert.convert import build_plan, convert
+    from kimi_convert.convert.converter import build_plan, convert
     refused = refusing_pwrite(monkeypatch, errno.EINVAL, direct_only=True)
     out = convert(build_plan(k3_dir), tmp_path / "out.gguf").paths[0]
     assert len(refused) == 1                # one refusal, then every write went the buffered way
@@ -209,7 +209,7 @@ def test_o_direct_refused_at_the_first_write_falls_back_to_buffered(tmp_path, k3
 @pytest.mark.parametrize("error", [errno.EIO, errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EINVAL],
                          ids=errno.errorcode.get)
 def test_every_write_error_is_one_output_error(tmp_path, k3_dir, monkeypatch, error):
-    from kimi_convert.convert import build_plan, convert
+    from kimi_convert.convert.converter import build_plan, convert
     from kimi_convert.errors import DiskSpaceError, OutputError
     refusing_pwrite(monkeypatch, error, direct_only=False)
     out = tmp_path / "out.gguf"
@@ -225,8 +225,8 @@ def test_every_write_error_is_one_output_error(tmp_path, k3_dir, monkeypatch, er
 def test_a_read_error_blames_the_checkpoint(tmp_path, k3_dir, monkeypatch, reader):
     """EIO while reading a shard is the checkpoint's fault, not the output's: read straight into
     the O_DIRECT staging (os.preadv), or by the producer thread (Checkpoint.read_raw)."""
-    from kimi_convert.checkpoint import Checkpoint
-    from kimi_convert.convert import build_plan, convert
+    from kimi_convert.convert.checkpoint import Checkpoint
+    from kimi_convert.convert.converter import build_plan, convert
     from kimi_convert.errors import CheckpointError, OutputError
     plan = build_plan(k3_dir)
 
@@ -397,7 +397,7 @@ def test_split_size_below_the_minimum(tmp_path, ckpt, size):
 
 
 def test_split_size_minimum_is_1m():
-    from kimi_convert.cli import parse_size
+    from kimi_convert.cli.common import parse_size
     from kimi_convert.gguf_io import check_split_max_size
     from kimi_convert.errors import OutputError
     for size in ("10", "999999", "0.5M", "0", "-5G", "-1M"):
@@ -409,7 +409,7 @@ def test_split_size_minimum_is_1m():
 
 
 def test_split_size_at_the_minimum(tmp_path, ckpt):
-    from kimi_convert.convert import build_plan
+    from kimi_convert.convert.converter import build_plan
     r = run_cli(ckpt, tmp_path / "out.gguf", "--split-max-size", "1M", "--dry-run")
     assert r.returncode == 0, r.stderr
     assert f"split files: {build_plan(ckpt).n_files(0, 1_000_000)};" in r.stdout
@@ -427,7 +427,7 @@ shutil.disk_usage = lambda path: _disk_usage(path)._replace(free={free})
 def test_not_enough_disk_has_its_own_exit_code(tmp_path, ckpt, dry_run):
     """Exit 3 = the disk is too small, 1 = anything else; the dry run decides exactly as the run does:
     tensor bytes + 64 MiB, or more, free."""
-    from kimi_convert.convert import build_plan
+    from kimi_convert.convert.converter import build_plan
     need = build_plan(ckpt).total_bytes + (64 << 20)
     args = [ckpt, tmp_path / "out.gguf"] + (["--dry-run"] if dry_run else [])
     r = run_cli(*args, patch=fake_free_disk(need - 1))

@@ -1,7 +1,7 @@
-"""kimi_convert.ggml_cpu against ggml's x86-64-v3 kernels (docs/verification.md §8).
+"""kimi_convert.runtime.ggml_cpu against ggml's x86-64-v3 kernels (docs/verification.md §8).
 
 Float weights: against scalar restatements of the C code. Quantized weights: against the compiled kernels of
-the pinned llama-cpp-python build itself, called through ctypes (kimi_convert/interop/ggml_cpu_kernels.py):
+the pinned llama-cpp-python build itself, called through ctypes (kimi_interop/ggml_cpu_kernels.py):
 its vec_dot, its CPU graph's mul_mat (tinyBLAS, tiled) and its repacked gemm/gemv -- bit for bit, on weights
 quantized by ggml. These fail, not skip, when llama-cpp-python is missing.
 
@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from kimi_convert import ggml_cpu
-from kimi_convert import ggml_cpu_quant as gq
-from kimi_convert.interop import ggml_cpu_kernels as ggml
-from kimi_convert.interop.ggml_quants import ggml_quantize
-from kimi_convert.runtime import Runtime
+from kimi_convert.runtime import ggml_cpu
+from kimi_convert.runtime import ggml_cpu_quant as gq
+from kimi_interop import ggml_cpu_kernels as ggml
+from kimi_interop.ggml_quants import ggml_quantize
+from kimi_convert.runtime.forward import Runtime
 
 F32 = np.float32
 X86 = ggml_cpu.X86_AVX2

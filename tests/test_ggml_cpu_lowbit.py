@@ -1,4 +1,4 @@
-"""kimi_convert.ggml_cpu_lowbit against the pinned x86-64-v3 build's own code (docs/verification.md §8.4): the
+"""kimi_convert.runtime.ggml_cpu_lowbit against the pinned x86-64-v3 build's own code (docs/verification.md §8.4): the
 low-bit types' dequantization against ggml's dequantize_row_*, their products against ggml's vec_dot and its CPU
 graph's mul_mat (tiled for the grid i-quants with >= 8 rows), bit for bit (-0 is not +0). The weights are
 quantized by ggml itself (ggml_quantize_chunk, with an imatrix where ggml requires one), from four kinds of rows:
@@ -12,11 +12,11 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize as gguf_dequantize
 
-from kimi_convert import ggml_cpu
-from kimi_convert import ggml_cpu_lowbit as lowbit
+from kimi_convert.runtime import ggml_cpu
+from kimi_convert.runtime import ggml_cpu_lowbit as lowbit
 from kimi_convert.gguf_io import dequantize
-from kimi_convert.interop import ggml_cpu_kernels as ggml
-from kimi_convert.interop.ggml_quants import ggml_dequantize, ggml_quantize, ggml_quantize_requires_imatrix
+from kimi_interop import ggml_cpu_kernels as ggml
+from kimi_interop.ggml_quants import ggml_dequantize, ggml_quantize, ggml_quantize_requires_imatrix
 
 F32 = np.float32
 X86 = ggml_cpu.X86_AVX2

@@ -85,7 +85,7 @@ def llama_q8(tmp_path_factory, converted):
     """A file that llama.cpp's own writer (gguf.cpp, through llama_model_quantize) made."""
     import llama_cpp
 
-    from kimi_convert import interop
+    import kimi_interop as interop
     out = tmp_path_factory.mktemp("llama-q8") / "k3-q8_0.gguf"
     return interop.llama_quantize(converted("k3", "f32"), out, llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0, pure=False,
                                   allow_requantize=True)
@@ -104,7 +104,7 @@ def test_converted_and_llama_cpp_files_read_as_gguf_reads_them(converted, llama_
 
 
 def test_split_file_is_the_union_of_its_parts(tmp_path, k31_dir, converted):
-    from kimi_convert.convert import build_plan, convert
+    from kimi_convert.convert.converter import build_plan, convert
     res = convert(build_plan(k31_dir), tmp_path / "split.gguf", split_max_tensors=60)
     gf = open_gguf(res.paths[1])
     assert gf.paths == res.paths and [p.path for p in gf.parts] == res.paths

@@ -17,7 +17,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 from gguf import quants as gguf_quants
 
-from kimi_convert.interop import InteropUnavailable, interop_dir
+from kimi_interop import InteropUnavailable, interop_dir
 from kimi_convert.quant.kernels import grids
 
 # ggml.c, ggml_quantize_init: the init each type runs, with its argument

@@ -7,10 +7,10 @@ Bounds (docs/verification.md §8):
   difference can flip a discrete choice: the bound holds on every CPU.
 - files with BF16 or MXFP4 weights, against llama-cpp-python as .ci/install-interop.sh pins it (x86-64-v3): the
   runtime with `llama_cpp_rounding=True` rounds each matmul input as that build does and multiplies in its
-  order (kimi_convert/ggml_cpu.py). Every weight matmul's f32 input is compared with the one llama.cpp itself
+  order (kimi_convert/runtime/ggml_cpu.py). Every weight matmul's f32 input is compared with the one llama.cpp itself
   used (its eval callback): they agree to 1e-5 of the row's scale (measured <= 3e-6) at every position; where
   that last-bit difference puts a value on the other side of a bf16/Q8_0 rounding boundary, the runtime takes
-  llama.cpp's value (kimi_convert/interop/tie_breaks.py), so that one tie break does not derail every later
+  llama.cpp's value (kimi_interop/tie_breaks.py), so that one tie break does not derail every later
   position. Then the logits agree to 1e-4 at every position (measured: BF16 files bit for bit, MXFP4 5e-6).
   Without the emulation they are off by whole units.
 - wllama (wasm, the same arithmetic on every CPU): `llama_cpp_rounding="wasm"` rounds as it does (reference
@@ -21,14 +21,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kimi_convert import ggml_cpu
+from kimi_convert.runtime import ggml_cpu
 from kimi_convert.fixtures.make_checkpoint import make_checkpoint
-from kimi_convert.convert import build_plan, convert
-from kimi_convert.interop import llama_cpp_logits, wllama_hidden_states
-from kimi_convert.interop.llama_cpp_trace import llama_cpp_matmul_inputs
-from kimi_convert.interop.numeric_paths import llama_cpp_pinned_problem
-from kimi_convert.interop.tie_breaks import LlamaCppTieBreaks
-from kimi_convert.runtime import Runtime
+from kimi_convert.convert.converter import build_plan, convert
+from kimi_interop import llama_cpp_logits, wllama_hidden_states
+from kimi_interop.llama_cpp_trace import llama_cpp_matmul_inputs
+from kimi_interop.numeric_paths import llama_cpp_pinned_problem
+from kimi_interop.tie_breaks import LlamaCppTieBreaks
+from kimi_convert.runtime.forward import Runtime
 
 PROMPT = [int(t) for t in np.random.default_rng(0).integers(0, 700, 32)]   # below the special ids
 F32_BOUND = 1e-3

@@ -21,15 +21,15 @@ from gguf import GGMLQuantizationType as QT
 from test_interop_quantized import PROMPT, ROUNDED_BOUND, SIZES, compare_with_tie_breaks, repacked_here, table
 from typer.testing import CliRunner
 
-from kimi_convert.convert import build_plan, convert
+from kimi_convert.convert.converter import build_plan, convert
 from kimi_convert.fixtures.imatrix import k3_entries, write_gguf_imatrix
 from kimi_convert.fixtures.make_checkpoint import make_checkpoint
 from kimi_convert.gguf_io import open_gguf
-from kimi_convert.interop import llama_quantize
+from kimi_interop import llama_quantize
 from kimi_convert.quant.imatrix import load_imatrix
-from kimi_convert.runtime import Runtime
-from kimi_convert.verify import verify
-from kimi_convert.verify_cli import app
+from kimi_convert.runtime.forward import Runtime
+from kimi_convert.verify.check import verify
+from kimi_convert.cli.verify import app
 
 MIXTURES = {"IQ2_XXS": QT.IQ2_XXS, "IQ1_M": QT.IQ1_M}
 N = 12                                # kimi-verify's tokens, as tests/test_verify_quantized.py

@@ -15,11 +15,11 @@ from __future__ import annotations
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from kimi_convert.convert import build_plan, convert
+from kimi_convert.convert.converter import build_plan, convert
 from kimi_convert.fixtures.imatrix import k3_entries, write_gguf_imatrix
 from kimi_convert.fixtures.make_checkpoint import make_checkpoint
 from kimi_convert.gguf_io import open_gguf
-from kimi_convert.interop import llama_quantize
+from kimi_interop import llama_quantize
 from kimi_convert.quant.driver import quantize_file
 from kimi_convert.quant.imatrix import load_imatrix
 from kimi_convert.quant.mixtures import FILE_TYPES

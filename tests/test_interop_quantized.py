@@ -12,11 +12,11 @@ Bounds (docs/verification.md §8.4):
   Every f32 matmul input is compared with llama.cpp's (eval callback): they agree to 1e-5 of the row's scale
   (measured <= 2e-6; from ggml's own exp/tanh, not emulated bit for bit). Where that last-bit difference rounds
   an input differently -- another code ("code" tie break), or, for Q8_K, the same codes with another f32 block
-  scale ("scale") -- the runtime takes llama.cpp's values (kimi_convert/interop/tie_breaks.py). Then the logits
+  scale ("scale") -- the runtime takes llama.cpp's values (kimi_interop/tie_breaks.py). Then the logits
   agree to 1e-4 at every position and bit for bit at half of them at least (measured: 32/32 on all four files,
   prompts of seeds 0-2). Adopting only the scale tie breaks, the emulation is bit for bit up to the first code tie
   break (measured: at all 32 positions); without the emulation the files are off by whole units.
-- wllama b12211 (wasm): all of this file's kernels are emulated from the shipped wasm (kimi_convert/ggml_cpu.py,
+- wllama b12211 (wasm): all of this file's kernels are emulated from the shipped wasm (kimi_convert/runtime/ggml_cpu.py,
   WASM), so the hidden states agree bit for bit up to a rounding tie; wllama offers no per-matmul trace, and on
   this file and prompt (both sides compute the same bits on every CPU) none occurs: asserted 1e-4 everywhere and
   bit for bit at half the positions at least, measured 32/32, with the indexer selecting (top_k 8).
@@ -26,15 +26,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kimi_convert import ggml_cpu
-from kimi_convert.convert import build_plan, convert
+from kimi_convert.runtime import ggml_cpu
+from kimi_convert.convert.converter import build_plan, convert
 from kimi_convert.fixtures.make_checkpoint import make_checkpoint
-from kimi_convert.interop import wllama_hidden_states
-from kimi_convert.interop.llama_cpp_trace import llama_cpp_matmul_inputs
-from kimi_convert.interop.tie_breaks import LlamaCppTieBreaks
+from kimi_interop import wllama_hidden_states
+from kimi_interop.llama_cpp_trace import llama_cpp_matmul_inputs
+from kimi_interop.tie_breaks import LlamaCppTieBreaks
 from kimi_convert.quant.driver import quantize_file
 from kimi_convert.quant.policy import parse_policy
-from kimi_convert.runtime import Runtime
+from kimi_convert.runtime.forward import Runtime
 
 PROMPT = [int(t) for t in np.random.default_rng(0).integers(0, 700, 32)]   # below the special ids
 INPUT_REL_BOUND = 1e-5     # f32 matmul inputs, relative to the row's largest magnitude; measured <= 2e-6

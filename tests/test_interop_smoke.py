@@ -1,4 +1,4 @@
-"""Smoke test of the two real llama.cpp builds used to check our GGUF files (kimi_convert.interop).
+"""Smoke test of the two real llama.cpp builds used to check our GGUF files (kimi_interop).
 
 It needs no converter: it writes a tiny standard `llama`-arch GGUF (random F32 weights, a tiny byte-level gpt2
 vocab) with gguf-py, runs it in llama-cpp-python 0.3.36 (native) and in wllama 3.13.0 (wasm under Node 26), and
@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 
 try:
-    import kimi_convert.interop  # noqa: F401
+    import kimi_interop  # noqa: F401
 except ImportError:  # running without the repo root on sys.path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import gguf  # noqa: E402
 
-from kimi_convert.interop import (  # noqa: E402
+from kimi_interop import (  # noqa: E402
     InteropUnavailable,
     LlamaLoadError,
     llama_cpp_load_error,
@@ -29,7 +29,7 @@ from kimi_convert.interop import (  # noqa: E402
     wllama_hidden_states,
     wllama_load_error,
 )
-from kimi_convert.interop import wllama as wllama_mod  # noqa: E402
+from kimi_interop import wllama as wllama_mod  # noqa: E402
 
 TOKENS = [5, 72, 101, 108, 256, 257, 32, 258, 0, 33, 200, 7]
 

@@ -11,7 +11,7 @@ import traceback
 
 import pytest
 
-from kimi_convert.cli import interrupts_raise
+from kimi_convert.cli.common import interrupts_raise
 from kimi_convert.errors import Interrupted
 from kimi_convert import interrupts
 from kimi_convert.interrupts import deferred

@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kimi_convert.interop.llama_cpp import llama_cpp_load_error, llama_cpp_logits
-from kimi_convert.interop.wllama import wllama_hidden_states, wllama_load_error
+from kimi_interop.llama_cpp import llama_cpp_load_error, llama_cpp_logits
+from kimi_interop.wllama import wllama_hidden_states, wllama_load_error
 
 TOKENS = [17, 300, 42, 511, 7, 90, 640, 12]
 
@@ -25,7 +25,7 @@ def test_llama_cpp_loads_k3(converted, outtype):
 
 
 def test_llama_cpp_split_file_loads(tmp_path, k3_dir):
-    from kimi_convert.convert import build_plan, convert
+    from kimi_convert.convert.converter import build_plan, convert
     res = convert(build_plan(k3_dir, "f32"), tmp_path / "k3.gguf", split_max_tensors=80)
     assert len(res.paths) == 3
     assert llama_cpp_load_error(res.paths[0]) is None

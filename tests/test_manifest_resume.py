@@ -26,19 +26,19 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from kimi_convert.convert import build_plan, convert
+from kimi_convert.convert.converter import build_plan, convert
 from kimi_convert.errors import OutputError
 from kimi_convert.fixtures.make_checkpoint import make_checkpoint
 from kimi_convert.gguf_io import manifest_path
 from kimi_convert.gguf_io.manifest import ManifestError, check_manifest, load_manifest, read_journal
 from kimi_convert.quant.driver import quantize_file
 from kimi_convert.quant.policy import load_policy
-from kimi_convert.verify_cli import app as verify_app
+from kimi_convert.cli.verify import app as verify_app
 from test_convert_errors import CLI_ENV
 
 SPLIT = 1_000_000
-QUANTIZE_MAIN = "\nfrom kimi_convert.quantize_cli import main\nmain()\n"
-CONVERT_MAIN = "\nfrom kimi_convert.cli import convert_main\nconvert_main()\n"
+QUANTIZE_MAIN = "\nfrom kimi_convert.cli.quantize import main\nmain()\n"
+CONVERT_MAIN = "\nfrom kimi_convert.cli.convert import convert_main\nconvert_main()\n"
 
 
 @pytest.fixture(scope="module")
@@ -511,12 +511,12 @@ COMMANDS = {
 
 
 def _convert_app():
-    from kimi_convert.cli import convert_app
+    from kimi_convert.cli.convert import convert_app
     return convert_app
 
 
 def _quantize_app():
-    from kimi_convert.quantize_cli import app
+    from kimi_convert.cli.quantize import app
     return app
 
 

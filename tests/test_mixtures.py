@@ -18,13 +18,13 @@ from functools import lru_cache
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from kimi_convert.convert import build_plan, convert
+from kimi_convert.convert.converter import build_plan, convert
 from kimi_convert.fixtures.imatrix import k3_entries, write_gguf_imatrix
 from kimi_convert.fixtures.make_checkpoint import build_config, make_checkpoint
 from kimi_convert.fixtures.real_size import REAL_VISION, real_spec
 from kimi_convert.gguf_io import ggml_type, open_gguf
-from kimi_convert.interop import llama_quant_types
-from kimi_convert.interop.llama_cpp_convert import upstream_snapshots
+from kimi_interop import llama_quant_types
+from kimi_interop.llama_cpp_convert import upstream_snapshots
 from kimi_convert.model import KimiConfig
 from kimi_convert.quant.mixtures import FILE_TYPES, ModelFacts
 from kimi_convert.quant.plan import plan_quantization

@@ -1,5 +1,5 @@
-"""The MXFP4 repack (compiled, kimi_convert.mxfp4_kernel) against the two formats' definitions, and the
-converter's expert reads (kimi_convert.shard_io): bytes, one read per expert, and the errors they name."""
+"""The MXFP4 repack (compiled, kimi_convert.convert.mxfp4_kernel) against the two formats' definitions, and the
+converter's expert reads (kimi_convert.convert.shard_io): bytes, one read per expert, and the errors they name."""
 from __future__ import annotations
 
 import errno
@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kimi_convert import mxfp4, shard_io
-from kimi_convert.checkpoint import SourceTensor
+from kimi_convert.convert import mxfp4, shard_io
+from kimi_convert.convert.checkpoint import SourceTensor
 from kimi_convert.errors import CheckpointError
 
 RNG = np.random.default_rng(20261201)
@@ -147,7 +147,7 @@ def test_expert_producer_repacks_in_order_and_stops_cleanly(tmp_path):
     """_produce of a stacked MXFP4 tensor yields each expert's repack in expert order (jobs run REPACK_AHEAD
     ahead on a pool); closed after the first, it cancels or waits for the jobs in flight and closes the shards
     it opened, so no job reads a closed (or reused) descriptor."""
-    from kimi_convert.convert import REPACK_AHEAD, _produce, build_plan
+    from kimi_convert.convert.converter import REPACK_AHEAD, _produce, build_plan
     from kimi_convert.fixtures.make_checkpoint import make_checkpoint
     plan = build_plan(make_checkpoint(tmp_path / "k3", arch="k3", n_layers=2, num_experts=REPACK_AHEAD + 4))
     p = next(t for t in plan.tensors if t.name.endswith("ffn_down_exps.weight"))

@@ -14,7 +14,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 from kimi_convert import native
-from kimi_convert.interop.ggml_quants import ggml_quantize
+from kimi_interop.ggml_quants import ggml_quantize
 from kimi_convert.quant import blocks
 
 ROWS, COLS = 16, 512

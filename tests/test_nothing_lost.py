@@ -122,7 +122,7 @@ def test_one_pass_never_writes_over_its_policy_or_imatrix(hf, policy, imatrix, t
 def test_convert_split_part_names_are_compared_too(hf, k3_gguf, tmp_path):
     """OUT is new, but its second split part would be the imatrix (a GGUF): refused when the parts are planned,
     before a byte is written."""
-    from kimi_convert.convert import build_plan
+    from kimi_convert.convert.converter import build_plan
     n_parts = -(-len(build_plan(hf).tensors) // 100)
     imatrix = tmp_path / f"m-00002-of-{n_parts:05d}.gguf"
     shapes = {n: t.shape for n, t in open_gguf(k3_gguf).tensors.items()}

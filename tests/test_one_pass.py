@@ -15,8 +15,8 @@ import pytest
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-from kimi_convert.cli import human
-from kimi_convert.convert import build_plan, convert, plan_policy
+from kimi_convert.cli.common import human
+from kimi_convert.convert.converter import build_plan, convert, plan_policy
 from kimi_convert.fixtures.imatrix import k3_entries, write_gguf_imatrix
 from kimi_convert.fixtures.make_checkpoint import make_checkpoint
 from kimi_convert.gguf_io import open_gguf

@@ -9,7 +9,7 @@ from functools import lru_cache
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from kimi_convert.convert import OUTTYPES, build_plan, convert
+from kimi_convert.convert.converter import OUTTYPES, build_plan, convert
 from kimi_convert.fixtures.imatrix import k3_entries, write_gguf_imatrix
 from kimi_convert.fixtures.make_checkpoint import build_config, make_checkpoint
 from kimi_convert.fixtures.real_size import REAL_VISION, real_spec

@@ -1,7 +1,7 @@
 """Block quantizers (kimi_convert.quant) byte for byte against ggml's own, in-process.
 
 The reference is ``ggml_quantize_chunk`` from llama-cpp-python's libggml-base.so (the code llama-quantize
-runs), called through kimi_convert.interop.ggml_quants. If that library cannot be loaded every test here
+runs), called through kimi_interop.ggml_quants. If that library cannot be loaded every test here
 fails (InteropUnavailable); none is skipped.
 
 Inputs cover what decides ggml's branches: sign and magnitude of the first absolute maximum, all-zero and
@@ -18,7 +18,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 from kimi_convert.gguf_io import Q2_0, QUANT_SIZES
-from kimi_convert.interop import ggml_quants as ggml
+from kimi_interop import ggml_quants as ggml
 from kimi_convert.quant import InvalidBlockError, dequantize, quantize, row_size, validate_blocks
 
 LOW_BIT_TYPES = [QT.Q1_0, Q2_0, QT.TQ1_0, QT.TQ2_0, QT.MXFP4, QT.NVFP4]     # none uses the imatrix

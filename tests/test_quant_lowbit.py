@@ -15,7 +15,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 from kimi_convert.gguf_io import Q2_0
-from kimi_convert.interop import ggml_quants as ggml
+from kimi_interop import ggml_quants as ggml
 from kimi_convert.quant import InvalidBlockError, quantize, row_size, validate_blocks
 from kimi_convert.quant.blocks import block_type
 

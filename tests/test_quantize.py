@@ -10,11 +10,11 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFReader
 
-from kimi_convert.convert import build_plan, convert
+from kimi_convert.convert.converter import build_plan, convert
 from kimi_convert.fixtures.imatrix import k3_entries, write_gguf_imatrix
 from kimi_convert.fixtures.make_checkpoint import make_checkpoint
 from kimi_convert.gguf_io import Q2_0, open_gguf
-from kimi_convert.interop import InteropError, llama_quantize
+from kimi_interop import InteropError, llama_quantize
 from kimi_convert.quant.driver import FILE_TYPE, quantize_file
 from kimi_convert.quant.imatrix import load_imatrix
 from kimi_convert.quant.plan import QuantizeError

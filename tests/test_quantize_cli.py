@@ -20,7 +20,7 @@ from test_convert_errors import CLI_ENV, assert_fails_cleanly
 
 
 def quantize(*args, preexec=None, patch: str = "") -> subprocess.CompletedProcess:
-    code = patch + "\nfrom kimi_convert.quantize_cli import main\nmain()\n"
+    code = patch + "\nfrom kimi_convert.cli.quantize import main\nmain()\n"
     return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,
                           env=CLI_ENV, preexec_fn=preexec, timeout=300)
 
@@ -157,7 +157,7 @@ def test_sigterm_mid_write_leaves_nothing(src, out_dir):
     slow = ("import time, kimi_convert.quant.driver as d\nreal = d.chunks\n"
             "def slow(*a):\n    for c in real(*a):\n        time.sleep(0.05)\n        yield c\n"
             "d.chunks = slow\n")
-    code = slow + "\nfrom kimi_convert.quantize_cli import main\nmain()\n"
+    code = slow + "\nfrom kimi_convert.cli.quantize import main\nmain()\n"
     p = subprocess.Popen([sys.executable, "-c", code, "--policy", "q8_0", str(src), str(out_dir / "q.gguf")],
                          env=CLI_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120

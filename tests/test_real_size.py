@@ -27,11 +27,11 @@ import numpy as np
 import pytest
 import safetensors
 
-from kimi_convert import mxfp4
-from kimi_convert.checkpoint import Checkpoint
+from kimi_convert.convert import mxfp4
+from kimi_convert.convert.checkpoint import Checkpoint
 from kimi_convert.errors import CheckpointError, DiskSpaceError
-from kimi_convert.convert import (BASE_RSS, INDEX_BYTES_PER_TENSOR, REPACK_THREADS, VOCAB_BYTES_PER_TOKEN,
-                                  WRITE_BUFFERS, _produce, build_plan)
+from kimi_convert.convert.converter import (BASE_RSS, INDEX_BYTES_PER_TENSOR, REPACK_THREADS, VOCAB_BYTES_PER_TOKEN,
+                                            WRITE_BUFFERS, _produce, build_plan)
 from kimi_convert.fixtures.make_checkpoint import FixtureSpec, make_checkpoint, tensor_plan
 from kimi_convert.gguf_io import DirectSink
 from kimi_convert.fixtures.real_size import (make_sparse_checkpoint, real_spec, safetensors_header,
@@ -135,7 +135,7 @@ def kimi_convert(*args) -> list[str]:
 
 
 def kimi_quantize(*args) -> list[str]:
-    return [sys.executable, "-c", "from kimi_convert.quantize_cli import main; main()", *map(str, args)]
+    return [sys.executable, "-c", "from kimi_convert.cli.quantize import main; main()", *map(str, args)]
 
 
 # --- the generator --------------------------------------------------------------------------
@@ -340,7 +340,7 @@ def test_one_pass_dry_run_on_the_real_k3(preset, real_k3, real_k3_imatrix, tmp_p
 # --- the data-less GGUF ------------------------------------------------------------------------
 
 def test_sparse_gguf_is_the_converters_file_without_data(tmp_path):
-    from kimi_convert.convert import convert
+    from kimi_convert.convert.converter import convert
     hf = make_checkpoint(tmp_path / "Kimi-K3-tiny", arch="k3")
     real = tmp_path / "real" / "k3.gguf"
     real.parent.mkdir()
@@ -446,7 +446,7 @@ def real_widths(tmp_path_factory):
 def _traced_peak(plan, first: str, measured: str, max_chunks: int = 8) -> int:
     """tracemalloc's peak while `measured` is produced, the plan's tensors being produced in order
     from `first` and the last IN_FLIGHT chunks kept alive, as the writer's queue keeps them."""
-    from kimi_convert.convert import IN_FLIGHT
+    from kimi_convert.convert.converter import IN_FLIGHT
     names = [t.name for t in plan.tensors]
     kept: list = []
     tracemalloc.start()

@@ -1,10 +1,10 @@
-"""Tests for kimi_convert.reference: the PyTorch reference that reads HF checkpoints directly."""
+"""Tests for kimi_convert.runtime.reference: the PyTorch reference that reads HF checkpoints directly."""
 
 import pytest
 
 import torch  # noqa: E402  (the test extra installs it; missing torch is a failure)
 
-from kimi_convert.reference import E2M1_VALUES, ReferenceModel, dequantize_mxfp4  # noqa: E402
+from kimi_convert.runtime.reference import E2M1_VALUES, ReferenceModel, dequantize_mxfp4  # noqa: E402
 
 
 def _make(tmp_path_factory, arch):
@@ -205,7 +205,7 @@ def test_name_variants_and_unsharded_file(tmp_path, rename):
 
 
 def test_dsa_config_aliases_and_errors():
-    from kimi_convert.reference import ReferenceConfig
+    from kimi_convert.runtime.reference import ReferenceConfig
 
     def cfg(dsa, arch="KimiK31ForConditionalGeneration", **extra):
         tc = {"num_hidden_layers": 4, "hidden_size": 8, "num_attention_heads": 2, "top_k": 50,

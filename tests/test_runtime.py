@@ -1,4 +1,4 @@
-"""kimi_convert.runtime: properties of the NumPy execution of kimi-k3 / kimi-k31 GGUF files.
+"""kimi_convert.runtime.forward: properties of the NumPy execution of kimi-k3 / kimi-k31 GGUF files.
 
 The GGUF files are written here with gguf's GGUFWriter, the names of constants.py and the
 metadata of KimiConfig.gguf_metadata(), so these tests do not depend on the converter.
@@ -16,10 +16,10 @@ from gguf import GGMLQuantizationType as QT
 from gguf import GGUFWriter
 from gguf.quants import dequantize, quantize
 
-from kimi_convert import runtime as rt
+from kimi_convert.runtime import forward as rt
 from kimi_convert.constants import ARCH_K3, ARCH_K31, Key, T, key, tname
 from kimi_convert.model import IndexerConfig, KimiConfig
-from kimi_convert.runtime import Runtime
+from kimi_convert.runtime.forward import Runtime
 
 SEQ = [5, 17, 3, 88, 41, 41, 9, 60, 2, 77, 31, 14]
 
@@ -528,7 +528,7 @@ def test_bad_token_ids(files):
 
 
 # ------------------------------------------------------------------------------------
-# against llama.cpp itself (kimi_convert.interop; install with `bash .ci/install-interop.sh`).
+# against llama.cpp itself (kimi_interop; install with `bash .ci/install-interop.sh`).
 # Files are all-F32 (experts too): llama.cpp quantises activations to Q8_0 in front of MXFP4
 # experts and to bf16 in front of BF16 weights, which this runtime deliberately does not do.
 # Measured agreement: max |diff| <= 1e-5 on logits of magnitude ~4 (native) and <= 6e-6 on
@@ -536,7 +536,7 @@ def test_bad_token_ids(files):
 
 def _interop(fn_name: str):
     """A missing build raises InteropUnavailable: the test fails, it never skips."""
-    from kimi_convert import interop
+    import kimi_interop as interop
     return getattr(interop, fn_name)
 
 

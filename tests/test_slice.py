@@ -10,13 +10,13 @@ from safetensors import safe_open
 from typer.testing import CliRunner
 
 from kimi_convert.fixtures.make_checkpoint import read_safetensors_raw
-from kimi_convert.checkpoint import Checkpoint
-from kimi_convert.convert import build_plan, convert
+from kimi_convert.convert.checkpoint import Checkpoint
+from kimi_convert.convert.converter import build_plan, convert
 from kimi_convert.errors import KimiError, OutputError
 from kimi_convert.model import KimiConfig
-from kimi_convert.slice import SliceError, default_layers, parse_layers, slice_checkpoint
-from kimi_convert.verify import verify
-from kimi_convert.verify_cli import app
+from kimi_convert.verify.slice import SliceError, default_layers, parse_layers, slice_checkpoint
+from kimi_convert.verify.check import verify
+from kimi_convert.cli.verify import app
 
 LAYER = re.compile(r"layers\.(\d+)\.")
 

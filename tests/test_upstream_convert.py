@@ -17,10 +17,10 @@ import pytest
 from gguf import GGUFReader
 from safetensors import safe_open
 
-from kimi_convert.convert import build_plan, convert
+from kimi_convert.convert.converter import build_plan, convert
 from kimi_convert.fixtures.make_checkpoint import make_checkpoint
-from kimi_convert.interop import upstream_convert
-from kimi_convert.verify import verify
+from kimi_interop import upstream_convert
+from kimi_convert.verify.check import verify
 
 # key -> why it differs (docs/formats.md, "Differences from llama.cpp's converter")
 UPSTREAM_DIFFERENCES = {

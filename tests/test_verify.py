@@ -16,14 +16,14 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import quantize
 from typer.testing import CliRunner
 
-from kimi_convert import runtime as runtime_mod
-from kimi_convert.convert import build_plan, convert
+from kimi_convert.runtime import forward as runtime_mod
+from kimi_convert.convert.converter import build_plan, convert
 from kimi_convert.fixtures.make_checkpoint import make_checkpoint
 from kimi_convert.gguf_io import open_gguf
 from kimi_convert.model import KimiConfig
-from kimi_convert.verify import (DIVERGENCE_MIN, TOLERANCES, Part, _Runs, check_cost, check_k31, check_perplexity,
-                                 check_tensors, compare_logits, perplexity, perplexity_ratio, token_sequence, verify)
-from kimi_convert.verify_cli import app
+from kimi_convert.verify.check import (DIVERGENCE_MIN, TOLERANCES, Part, _Runs, check_cost, check_k31, check_perplexity,
+                                       check_tensors, compare_logits, perplexity, perplexity_ratio, token_sequence, verify)
+from kimi_convert.cli.verify import app
 
 N = 24          # tokens: short keeps the file fast, and still > 4x the forced top_k
 
@@ -336,7 +336,7 @@ def run_without_torch(tmp_path, *args) -> subprocess.CompletedProcess:
     (blocker / "sitecustomize.py").write_text(NO_TORCH)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(blocker), *filter(None, [os.environ.get("PYTHONPATH")])]),
                COLUMNS="200")
-    return subprocess.run([sys.executable, "-c", "from kimi_convert.verify_cli import main; main()", *map(str, args)],
+    return subprocess.run([sys.executable, "-c", "from kimi_convert.cli.verify import main; main()", *map(str, args)],
                           capture_output=True, text=True, env=env, timeout=600)
 
 
@@ -409,7 +409,7 @@ def test_the_lone_check_names_no_reference_tolerance(converted):
 
 
 def test_the_json_path_is_checked_before_any_work(tmp_path, monkeypatch, converted):
-    import kimi_convert.verify as verify_mod
+    import kimi_convert.verify.check as verify_mod
     monkeypatch.setattr(verify_mod, "verify", lambda *a, **k: pytest.fail("the check ran before the path was checked"))
     gguf = str(converted("k3", "bf16"))
     for target, says in ((Path("/nonexistent/r.json"), "the folder /nonexistent does not exist"),

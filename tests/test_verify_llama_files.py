@@ -11,14 +11,14 @@ from gguf import GGMLQuantizationType as QT
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from typer.testing import CliRunner
 
-from kimi_convert import interop
-from kimi_convert.convert import build_plan, convert
+import kimi_interop as interop
+from kimi_convert.convert.converter import build_plan, convert
 from kimi_convert.fixtures.make_checkpoint import make_checkpoint
 from kimi_convert.gguf_io import open_gguf
-from kimi_convert.interop.llama_cpp_convert import upstream_convert
-from kimi_convert.runtime import Runtime
-from kimi_convert.verify import Part, check_lone_tensors, check_metadata, check_tensors, token_sequence, verify
-from kimi_convert.verify_cli import app
+from kimi_interop.llama_cpp_convert import upstream_convert
+from kimi_convert.runtime.forward import Runtime
+from kimi_convert.verify.check import Part, check_lone_tensors, check_metadata, check_tensors, token_sequence, verify
+from kimi_convert.cli.verify import app
 
 VT = GGUFValueType
 N = 12          # tokens: enough for every part, short for speed

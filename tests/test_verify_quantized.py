@@ -14,16 +14,16 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 from typer.testing import CliRunner
 
-from kimi_convert.convert import build_plan, convert
+from kimi_convert.convert.converter import build_plan, convert
 from kimi_convert.fixtures.imatrix import k3_entries, write_gguf_imatrix
 from kimi_convert.fixtures.make_checkpoint import make_checkpoint
 from kimi_convert.gguf_io import open_gguf
-from kimi_convert.interop import llama_quantize
+from kimi_interop import llama_quantize
 from kimi_convert.quant.driver import FILE_TYPE, quantize_file
 from kimi_convert.quant.imatrix import load_imatrix
 from kimi_convert.quant.policy import parse_policy
-from kimi_convert.verify import TOLERANCES, Part, check_tensors, verify
-from kimi_convert.verify_cli import app
+from kimi_convert.verify.check import TOLERANCES, Part, check_tensors, verify
+from kimi_convert.cli.verify import app
 
 N = 12                      # tokens: every part runs, the file stays fast
 QUANTIZED_F32 = TOLERANCES["quantized"]

@@ -1,4 +1,4 @@
-"""kimi_convert.vocab and kimi_convert.chat_template on a tiny synthetic checkpoint.
+"""kimi_convert.convert.vocab and kimi_convert.convert.chat_template on a tiny synthetic checkpoint.
 
 The tiktoken.model here is learned by a small deterministic BPE trainer, so the
 merges it was trained with are known and the reconstruction can be checked
@@ -23,8 +23,8 @@ from jinja2.exceptions import TemplateError
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from kimi_convert.chat_template import K3_CHAT_TEMPLATE
-from kimi_convert.vocab import (
+from kimi_convert.convert.chat_template import K3_CHAT_TEMPLATE
+from kimi_convert.convert.vocab import (
     CONTROL, NORMAL, UNUSED, VocabError, bpe_parts, load_vocab, read_tiktoken,
     reconstruct_merges, token_to_str, write_vocab,
 )

@@ -105,7 +105,7 @@ def dequantize(raw: np.ndarray, qtype: QT) -> np.ndarray:
     """ggml's to_float (dequantize_row_<type>) of raw blocks [..., row bytes]: gguf.quants, bit for bit with ggml
     for every type it has (tests/test_ggml_cpu.py), and Q1_0 and Q2_0, which it lacks, from ggml_cpu_lowbit."""
     if qtype in (QT.Q1_0, Q2_0):
-        from ..ggml_cpu_lowbit import dequantize_q1_0, dequantize_q2_0  # noqa: PLC0415 (its grid tables: 0.1 s)
+        from ..runtime.ggml_cpu_lowbit import dequantize_q1_0, dequantize_q2_0  # noqa: PLC0415 (its grid tables: 0.1 s)
         return dequantize_q1_0(raw) if qtype == QT.Q1_0 else dequantize_q2_0(raw)
     return gguf_quants.dequantize(raw, qtype)
 

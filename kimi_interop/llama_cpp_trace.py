@@ -1,7 +1,7 @@
 """What every weight matmul of llama-cpp-python's llama.cpp receives, observed with ggml's eval callback.
 
 `llama_cpp_matmul_inputs(path, ids)` runs one forward pass over ``ids`` with the settings of
-:func:`kimi_convert.interop.llama_cpp.llama_cpp_logits` and records, for every GGML_OP_MUL_MAT and
+:func:`kimi_interop.llama_cpp.llama_cpp_logits` and records, for every GGML_OP_MUL_MAT and
 GGML_OP_MUL_MAT_ID node, its f32 activation (src1, before ggml converts it to the weight's vec_dot type), the
 expert ids of a MUL_MAT_ID, and the logits of the pass. The interop tests compare these with the runtime's own
 matmul inputs (`Runtime.matmul_trace`): the first position at which the two round an input differently (a
@@ -11,7 +11,7 @@ guessed (docs/verification.md §8).
 The callback asks for every matmul node, so the scheduler evaluates the graph one matmul at a time; the nodes
 and their arithmetic are the same (the test checks that the logits equal llama_cpp_logits' bit for bit).
 The load log also says which weights llama.cpp repacked into its CPU_REPACK buffer (other kernels run on them,
-kimi_convert/ggml_cpu.py `is_repacked`): `LlamaCppTrace.repacked`.
+kimi_convert/runtime/ggml_cpu.py `is_repacked`): `LlamaCppTrace.repacked`.
 """
 from __future__ import annotations
 

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import CheckpointError, KimiError
-from .gcutil import gc_paused
-from .paths import Input
+from ..errors import CheckpointError, KimiError
+from ..gcutil import gc_paused
+from ..paths import Input
 from .safetensors_header import DTYPE_BITS, read_header
 
 INDEX_NAME = "model.safetensors.index.json"

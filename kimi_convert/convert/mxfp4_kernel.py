@@ -1,6 +1,6 @@
 """The MXFP4 repack (compressed-tensors -> ggml block_mxfp4) as a compiled loop; see mxfp4.repack.
 
-A module of its own so that importing kimi_convert.mxfp4 (unpack, decode_compressed) does not import numba:
+A module of its own so that importing kimi_convert.convert.mxfp4 (unpack, decode_compressed) does not import numba:
 mxfp4.repack loads this on its first call. The kernel releases the GIL (``nogil``), so the converter repacks
 experts on several threads at once.
 
@@ -19,7 +19,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from . import numba_start
+from .. import numba_start
 from .mxfp4 import BLOCK_BYTES
 
 numba_start.start()     # before the kernel loads: numba's registries without its BLAS probe

@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
-from rich.markup import escape
-from rich.table import Table
 
-from .cli import (check_count, console, debug_option, fail, human, interrupted, interrupts_raise, note, output,
-                  parse_size, progress_bar, reading, run_app, typer_app)
-from .errors import Interrupted, KimiError
+from ..errors import Interrupted, KimiError
+from .common import (check_count, console, debug_option, fail, human, interrupted, interrupts_raise, note, output,
+                     parse_size, progress_bar, reading, run_app, typer_app)
+from .policy_options import load_policy_options, print_dry_run_table, report_decisions, report_write_blockers
+
 
 app = typer_app(help=__doc__)
 # an OS thread each; far above the CPUs of any machine this runs on, and below what a process may start
@@ -33,9 +33,9 @@ def list_presets(value: bool) -> None:
     what their mixture does, and whether kimi-quantize can write it yet; then exit."""
     if not value:
         return
-    from .quant.blocks import supported_types
-    from .quant.mixtures import FILE_TYPES
-    from .quant.policy import load_policy, preset_names
+    from ..quant.blocks import supported_types
+    from ..quant.mixtures import FILE_TYPES
+    from ..quant.policy import load_policy, preset_names
     show = lambda line: output.print(line, highlight=False, markup=False)       # noqa: E731
     show("presets (ours, lower case):")
     for name in preset_names():
@@ -96,9 +96,9 @@ def quantize(
       3      not enough free disk for the output (+ 64 MiB)
       128+N  ended by signal N; nothing written
     """
-    from .gguf_io import check_split_max_size, open_gguf, output_lock, written_paths
-    from .paths import Report, refuse_overlap, report_output
-    from .quant.driver import plan_file, quantize_file, run_inputs
+    from ..gguf_io import check_split_max_size, open_gguf, output_lock, written_paths
+    from ..paths import Report, refuse_overlap, report_output
+    from ..quant.driver import plan_file, quantize_file, run_inputs
     started, result = time.time(), None
     try:
         with interrupts_raise(), ExitStack() as held:
@@ -149,54 +149,6 @@ def quantize(
                   f"in {result.seconds:.1f} s", highlight=False)
 
 
-def load_policy_options(policy: str, tensor_type: List[str], tensor_type_file: List[Path], imatrix: Optional[Path],
-                        *, allow_requantize: bool, plan_only: bool):
-    """(policy, imatrix or None) from --policy, --tensor-type, --tensor-type-file and --imatrix, with the policy's
-    requirements checked: kimi-quantize and kimi-convert --policy read them alike, before any heavy work."""
-    from .quant.policy import load_policy, tensor_type_rules
-    reading(policy)         # and its --tensor-type rules
-    pol = load_policy(policy).with_tensor_types(tensor_type_rules(tensor_type, tensor_type_file), tensor_type_file)
-    for line in pol.check_requirements(imatrix=imatrix is not None, allow_requantize=allow_requantize,
-                                       plan_only=plan_only):
-        note(line)
-    if imatrix is None:
-        return pol, None
-    reading(imatrix)
-    return pol, load_imatrix(imatrix)
-
-
-def report_decisions(plan, imat) -> None:
-    """On stderr: the rules that name protected tensors, the warnings, and the imatrix's coverage."""
-    from .quant.driver import imatrix_coverage
-    print_conflicts(plan)
-    for w in plan.warnings:
-        console.print(f"[yellow]warning:[/] {escape(w)}", highlight=False)
-    if imat is not None:
-        for line in imatrix_coverage(plan, imat):
-            note(line)
-
-
-def report_write_blockers(plan, imat) -> None:
-    """With --explain / --dry-run: on stderr, why writing this plan would be refused (quant.plan.write_blockers)."""
-    from .quant.plan import write_blockers
-    entries = None if imat is None else {d.name for d in plan.decisions
-                                         if d.needs_imatrix and imat.has_vector(d.name, d.shape)}
-    for line in write_blockers(plan, entries, getattr(imat, "path", "")):
-        console.print(f"[yellow]note:[/] writing this plan is refused: {escape(line)}", highlight=False)
-
-
-def load_imatrix(path: Path):
-    from .quant.imatrix import load_imatrix as load
-    return load(path)
-
-
-def print_conflicts(plan) -> None:
-    """One note per (rule, protection), the lines --strict refuses with: the tensors it names, the protection
-    and why; the rule is not applied to them."""
-    for g in plan.conflict_groups:
-        console.print(f"[yellow]note:[/] {escape(g.describe())} (not applied to them)", highlight=False)
-
-
 def print_explain(plan, pol) -> None:
     """One line per tensor (plain text: greppable, and never wrapped in a pipe)."""
     requires = f" (requires: {', '.join(pol.requires)})" if pol.requires else ""
@@ -213,26 +165,6 @@ def print_dry_run(plan) -> None:
     output.print(f"input {human(plan.source_bytes)} ({plan.source_bytes:,} bytes) -> output {human(plan.target_bytes)} "
                  f"({plan.target_bytes:,} bytes of tensor data); estimated peak RAM "
                  f"{human(e.peak_ram)}; time from this machine's measured kernel speed ({e.basis})", highlight=False)
-
-
-def print_dry_run_table(plan, title: str):
-    """Output bytes and estimated time per class and type, and the total (also kimi-convert --policy --dry-run's)."""
-    from .quant.driver import estimate
-    e = estimate(plan)
-    t = Table(title=title)
-    for col in ("type", "tensors", "bytes", "est. time"):
-        t.add_column(col, justify="left" if col == "type" else "right")
-    for row in e.rows:
-        t.add_row(row.label, str(row.n), human(row.nbytes), _seconds(row.seconds))
-    t.add_row("[bold]total", f"[bold]{len(plan.decisions)}", f"[bold]{human(plan.target_bytes)}",
-              f"[bold]{_seconds(e.seconds)}")
-    output.print(t)
-    return e
-
-
-def _seconds(seconds: float) -> str:
-    """An estimated time; n/a for a type that cannot be written yet (no kernel to time)."""
-    return "n/a" if seconds != seconds else f"{seconds:.1f} s"
 
 
 def json_report(plan, pol) -> str:

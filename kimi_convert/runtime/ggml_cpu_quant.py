@@ -1,4 +1,4 @@
-"""ggml's CPU products for quantized weights, operation for operation (used by kimi_convert.ggml_cpu): the
+"""ggml's CPU products for quantized weights, operation for operation (used by kimi_convert.runtime.ggml_cpu): the
 x86-64-v3 build of llama-cpp-python, and at the end wllama's wasm build.
 
 Every kernel below first converts the f32 activation to the weight type's vec_dot type (Q8_0, Q8_1 or Q8_K, by
@@ -25,7 +25,7 @@ F16, F32, F64, I64 = np.float16, np.float32, np.float64, np.int64
 QK = 32           # Q8_0 / Q8_1 block
 QK_K = 256        # K-quant and Q8_K block
 
-X86_AVX2, WASM = "x86-avx2", "wasm"   # the targets of kimi_convert.ggml_cpu
+X86_AVX2, WASM = "x86-avx2", "wasm"   # the targets of kimi_convert.runtime.ggml_cpu
 
 KQUANTS = (QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_XS)
 Q0_TYPES = (QT.Q4_0, QT.Q5_0, QT.Q8_0, QT.IQ4_NL)     # one fp16 scale per 32 codes, Q8_0 activation

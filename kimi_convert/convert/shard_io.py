@@ -16,7 +16,7 @@ from typing import Sequence
 import numpy as np
 
 from .checkpoint import NUMPY_DTYPE, SourceTensor
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 PAGE = mmap.PAGESIZE
 

@@ -1,7 +1,7 @@
 """Compare the runtime with llama.cpp at every weight matmul input, adopting llama.cpp's rounding at ties.
 
 Both sides convert each weight matmul's f32 activation to the weight's vec_dot type (bf16, Q8_0, ...) and,
-with `llama_cpp_rounding`, multiply in the same order (kimi_convert/ggml_cpu.py). Their f32 activations agree to
+with `llama_cpp_rounding`, multiply in the same order (kimi_convert/runtime/ggml_cpu.py). Their f32 activations agree to
 a few units in the last place; where such a value lies within that distance of a rounding boundary (9248
 activations per position are rounded to bf16 in the BF16 fixtures, and every position has one within ~20
 f32 ulps of a bf16 tie), the two sides round it to neighbouring bf16/Q8_0 values. That one-step difference is
@@ -9,7 +9,7 @@ then carried to every later position by the KDA state and the attention cache, s
 break the logits of the two differ by a real amount although neither is wrong.
 
 `LlamaCppTieBreaks` is a Runtime matmul hook that removes exactly those tie breaks. It holds llama.cpp's own
-matmul inputs (kimi_convert.interop.llama_cpp_trace) and, for every input the runtime is about to round:
+matmul inputs (kimi_interop.llama_cpp_trace) and, for every input the runtime is about to round:
 
 * where the rounded values agree, it changes nothing;
 * where they differ but the two f32 inputs agree to `rel_tol` of that row's largest magnitude, the runtime takes

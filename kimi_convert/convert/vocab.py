@@ -33,7 +33,7 @@ import gguf
 
 from .chat_template import K3_CHAT_TEMPLATE
 from .checkpoint import read_input
-from .errors import KimiError
+from ..errors import KimiError
 
 TIKTOKEN_FILE = "tiktoken.model"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"

@@ -175,7 +175,7 @@ def _run_isolated(req: dict):
         req_path.write_text(json.dumps(req))
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-        proc = subprocess.run([sys.executable, "-m", "kimi_convert.interop.llama_cpp", str(req_path)],
+        proc = subprocess.run([sys.executable, "-m", "kimi_interop.llama_cpp", str(req_path)],
                               capture_output=True, text=True, env=env, timeout=3600)
         if proc.returncode == 0:
             if req["op"] == "logits":

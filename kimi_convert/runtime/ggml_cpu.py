@@ -17,8 +17,8 @@ Two targets, named after the builds the interop tests run:
     otherwise, and in `mul_mat_id`, `ggml_vec_dot_*` (vec.cpp): 4x8 lanes over 32-wide steps,
     ((c1+c3)+(c2+c4)), an 8-lane sum, and the K % 32 tail in double (bf16, f16) or in f32 FMAs (f32);
   - quantized weights: which kernel runs depends on the type, on whether llama.cpp repacked the tensor
-    (`is_repacked`) and on the number of rows (`quantized_path`); the kernels are in kimi_convert/ggml_cpu_quant.py,
-    and those of the low-bit types (IQ1_*, IQ2_*, IQ3_*, TQ1_0, TQ2_0, Q1_0, NVFP4) in kimi_convert/ggml_cpu_lowbit.py.
+    (`is_repacked`) and on the number of rows (`quantized_path`); the kernels are in kimi_convert/runtime/ggml_cpu_quant.py,
+    and those of the low-bit types (IQ1_*, IQ2_*, IQ3_*, TQ1_0, TQ2_0, Q1_0, NVFP4) in kimi_convert/runtime/ggml_cpu_lowbit.py.
 
   A bf16 x bf16 or fp16 x fp16 product is exact in f32, so FMA and multiply-add agree there; every other FMA is
   computed exactly (float64 product, correctly rounded sum: ggml_cpu_quant.add).
@@ -41,8 +41,8 @@ from gguf import GGMLQuantizationType as QT
 
 from . import ggml_cpu_lowbit as lowbit
 from . import ggml_cpu_quant as gq
-from .checkpoint import bf16_to_f32, f32_to_bf16
-from .gguf_io import dequantize
+from ..convert.checkpoint import bf16_to_f32, f32_to_bf16
+from ..gguf_io import dequantize
 from .ggml_cpu_quant import WASM, X86_AVX2
 
 F32, F64 = np.float32, np.float64

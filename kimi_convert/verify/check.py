@@ -49,17 +49,17 @@ import numpy as np
 from gguf import GGUFValueType
 from gguf import GGMLQuantizationType as QT
 
-from . import mxfp4
-from .checkpoint import NUMPY_DTYPE, Checkpoint, SourceTensor, bf16_to_f32, f32_to_bf16, to_f32
-from .convert import OUTTYPES, _text_config, ssm_a
-from .constants import INDEXER_MATRIX_TYPES, Key, T, key
-from .errors import KimiError
-from .gguf_io import QUANT_SIZES, GGUFFile, GGUFTensor, dequantize, gguf_parts, open_gguf, read_gguf, same_shape
-from .model import KimiConfig
-from .quant.driver import imatrix_vectors, quantize_rows, row_chunks
-from .quant.plan import Decision, QuantPlan
-from .tensor_map import A_LOG, CONV1D, COPY, EXPERTS, K_B, RES_SCORE, V_B, gguf_tensors
-from .vocab import SPECIAL_KEYS, ExpectedSpecial, checkpoint_specials, k3_specials
+from ..convert import mxfp4
+from ..convert.checkpoint import NUMPY_DTYPE, Checkpoint, SourceTensor, bf16_to_f32, f32_to_bf16, to_f32
+from ..convert.converter import OUTTYPES, _text_config, ssm_a
+from ..constants import INDEXER_MATRIX_TYPES, Key, T, key
+from ..errors import KimiError
+from ..gguf_io import QUANT_SIZES, GGUFFile, GGUFTensor, dequantize, gguf_parts, open_gguf, read_gguf, same_shape
+from ..model import KimiConfig
+from ..quant.driver import imatrix_vectors, quantize_rows, row_chunks
+from ..quant.plan import Decision, QuantPlan
+from ..tensor_map import A_LOG, CONV1D, COPY, EXPERTS, K_B, RES_SCORE, V_B, gguf_tensors
+from ..convert.vocab import SPECIAL_KEYS, ExpectedSpecial, checkpoint_specials, k3_specials
 
 SEQ_LEN = 32
 SEED = 0
@@ -577,7 +577,7 @@ class _Blocks:
 def compare_quantized(p, t: GGUFTensor, ckpt: Checkpoint, cfg: KimiConfig, imatrix) -> dict[str, Any]:
     """The file's blocks against our quantization (quant.blocks, chunked and imatrix-sliced by the driver's
     quantize_rows) of the values the converter writes, with the imatrix vector kimi-quantize would use."""
-    from .quant.blocks import block_type, quantize, supported_types     # noqa: PLC0415  (the kernels, on first use)
+    from ..quant.blocks import block_type, quantize, supported_types     # noqa: PLC0415  (the kernels, on first use)
     row: dict[str, Any] = {"mode": "quantized"}
     if t.qtype not in supported_types():      # neither a pass nor a fault of the file: not checked, and why
         return row | {"mode": UNCHECKED, "ok": None,
@@ -1019,7 +1019,7 @@ def check_lone_tensors(part: Part, gf: GGUFFile, cfg: KimiConfig, log: Callable[
 def _invalid_block(t: GGUFTensor) -> str | None:
     """Where ggml_validate_row_data (quant.blocks.validate_blocks) rejects t's data, a row chunk at a time,
     or None. Types without a quantizer here (MXFP4, ...) are left to the finite check."""
-    from .quant.blocks import InvalidBlockError, supported_types, validate_blocks    # noqa: PLC0415
+    from ..quant.blocks import InvalidBlockError, supported_types, validate_blocks    # noqa: PLC0415
     if t.qtype not in supported_types():
         return None
     block = QUANT_SIZES[t.qtype][0]
@@ -1082,7 +1082,7 @@ class _Runs:
     def runtime(self, top_k: int | None = None, dense: bool = False) -> tuple[np.ndarray, dict]:
         key = ("rt", top_k, dense)
         if key not in self._cache:
-            from .runtime import Runtime
+            from ..runtime.forward import Runtime
             rt = Runtime(self.gguf, top_k=top_k)
             need, avail = rt.estimate_ram_bytes(len(self.ids)), _available_ram()
             if not self._cache:
@@ -1102,7 +1102,7 @@ class _Runs:
         overrides = self.weights if on == FILE else None
         key = ("ref", top_k, dense, overrides is not None)
         if key not in self._cache:
-            from .reference import ReferenceModel
+            from ..runtime.reference import ReferenceModel
             ref = ReferenceModel(str(self.hf_dir), top_k_override=top_k, use_indexer=not dense,
                                  weight_overrides=overrides)
             out = ref.logits(self.ids).detach().numpy().astype(np.float32)
@@ -1289,11 +1289,11 @@ def verify(gguf_path: Path, hf_dir: Path | None = None, *, length: int = SEQ_LEN
     if max_kl is not None and not max_kl >= 0:
         raise KimiError(f"--max-kl {max_kl}: must be a number >= 0 (nats)")
     if imatrix is not None and not hasattr(imatrix, "vector"):
-        from .quant.imatrix import load_imatrix
+        from ..quant.imatrix import load_imatrix
         imatrix = load_imatrix(imatrix)                 # a bad imatrix is the user's error: raises
     plan = None
     if hf_dir is not None:
-        from .convert import build_plan
+        from ..convert.converter import build_plan
         plan = build_plan(Path(hf_dir), "f32")         # a bad checkpoint is the user's error: raises
     hf = str(hf_dir) if hf_dir is not None else None
     structure = _run(Part("structure", "structure"), lambda p: check_structure(p, gguf_path))

@@ -29,13 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint, SourceTensor, checkpoint_inputs
-from .errors import ConfigError, KimiError, OutputError
-from .gguf_io import FileRange, SourceFiles, copy_range, partial_dir, remove_stale, stale_partials
-from .interrupts import deferred
-from .model import DSA_ALIASES, KimiConfig
-from .paths import FOLDER, Input, Output, refuse_overlap
-from .tensor_map import sanitize
+from ..convert.checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint, SourceTensor, checkpoint_inputs
+from ..errors import ConfigError, KimiError, OutputError
+from ..gguf_io import FileRange, SourceFiles, copy_range, partial_dir, remove_stale, stale_partials
+from ..interrupts import deferred
+from ..model import DSA_ALIASES, KimiConfig
+from ..paths import FOLDER, Input, Output, refuse_overlap
+from ..tensor_map import sanitize
 
 _LAYER_RE = re.compile(r"^(?P<pre>(?:language_model\.)?(?:model\.)?layers\.)(?P<il>\d+)(?P<post>\..+)$")
 _DTYPE_ALIGN = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "U32": 4, "BF16": 2, "F16": 2, "I16": 2, "U16": 2}

@@ -1,4 +1,4 @@
-"""llama-cpp-python's own ggml CPU kernels, called through ctypes, as the reference for ``kimi_convert.ggml_cpu``.
+"""llama-cpp-python's own ggml CPU kernels, called through ctypes, as the reference for ``kimi_convert.runtime.ggml_cpu``.
 
 ``llama_cpp/lib/libggml-cpu.so`` (the pinned x86-64-v3 build, docs/verification.md §8.3) exports the type traits
 (``ggml_get_type_traits_cpu``: each type's vec_dot and its activation quantizer), the repacked gemv/gemm kernels

@@ -30,7 +30,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 LENGTH_BYTES = 8                    # the little-endian u64 header length that starts the file
 MAX_HEADER_BYTES = 100_000_000      # safetensors' MAX_HEADER_SIZE: a longer header is refused

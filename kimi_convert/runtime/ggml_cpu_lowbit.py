@@ -1,6 +1,6 @@
 """ggml's CPU products for the low-bit types, operation for operation: the i-quants on a codebook grid (IQ1_S,
 IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S), the ternary TQ1_0 / TQ2_0, the 1-bit Q1_0 and NVFP4 -- on the
-x86-64-v3 build of llama-cpp-python (arch/x86/quants.c and tiled/ of ggml-cpu), as kimi_convert.ggml_cpu_quant
+x86-64-v3 build of llama-cpp-python (arch/x86/quants.c and tiled/ of ggml-cpu), as kimi_convert.runtime.ggml_cpu_quant
 does for the K-quants, whose helpers these kernels share.
 
 Each raw block (uint8 [M, row bytes], layouts of ggml-common.h) is decoded to exact integer codes and scales;
@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf import quants as gguf_quants
 
 from . import ggml_cpu_quant as gq
-from .gguf_io.qtypes import Q2_0, QUANT_SIZES
+from ..gguf_io.qtypes import Q2_0, QUANT_SIZES
 from .ggml_cpu_quant import F32, I64, QK, KBlocks, fma, hsum8, mul, to_f32
 
 GRID_TYPES = (QT.IQ2_XXS, QT.IQ2_XS, QT.IQ2_S, QT.IQ3_XXS, QT.IQ3_S, QT.IQ1_S, QT.IQ1_M)   # tiled / vec_dot

@@ -21,10 +21,11 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from .cli import (check_count, check_input_file, console as err, debug_option, fail, human, interrupted,
-                  interrupts_raise, output as out, reading, run_app, typer_app)
-from .errors import Interrupted, KimiError
-from .paths import Input, Report, refuse_overlap, report_output
+from .common import (check_count, check_input_file, console as err, debug_option, fail, human, interrupted,
+                     interrupts_raise, output as out, reading, run_app, typer_app)
+from ..errors import Interrupted, KimiError
+from ..paths import Input, Report, refuse_overlap, report_output
+
 
 app = typer_app(help=__doc__, no_args_is_help=True)     # out: the report (stdout); err: progress, errors
 SHOW_FAILURES = 20
@@ -46,8 +47,8 @@ def slice_cmd(
     _debug: bool = debug_option(),
 ):
     """Write a real N-layer checkpoint from a full one, streamed by byte ranges."""
-    from .convert import peak_rss
-    from .slice import slice_checkpoint
+    from ..convert.converter import peak_rss
+    from ..verify.slice import slice_checkpoint
     started, r = time.time(), None
     try:
         with interrupts_raise():            # SIGTERM and SIGHUP unwind through the slice's cleanup too
@@ -99,9 +100,9 @@ def check_cmd(
     if manifest is not None:
         return check_against_manifest(paths, manifest, json_file, force,
                                       other=[f for f, v in (("--imatrix", imatrix), ("--max-kl", max_kl)) if v])
-    from .checkpoint import checkpoint_inputs
-    from .gguf_io import gguf_inputs
-    from .verify import verify
+    from ..convert.checkpoint import checkpoint_inputs
+    from ..gguf_io import gguf_inputs
+    from ..verify.check import verify
     try:
         with ExitStack() as held:
             hf_dir, gguf = _split_args(paths)
@@ -132,8 +133,8 @@ def _report(held: ExitStack, json_file: Optional[Path], force: bool, reads: list
 def check_against_manifest(paths: List[Path], manifest: Path, json_file: Optional[Path], force: bool,
                            other: List[str]) -> None:
     """check --manifest: each difference on a line of its own, then one summary line; exit 1 on any."""
-    from .gguf_io import gguf_inputs
-    from .gguf_io.manifest import check_manifest
+    from ..gguf_io import gguf_inputs
+    from ..gguf_io.manifest import check_manifest
     try:
         with ExitStack() as held:
             if other:

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from .native import Kernel
+from ..native import Kernel
 
 BLOCK = 32
 BLOCK_BYTES = 17
 E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
 
 
-REPACK_KERNEL = Kernel("kimi_convert.mxfp4_kernel", "repack_blocks", "u8_1d", "u8_1d", "u8_1d")
+REPACK_KERNEL = Kernel("kimi_convert.convert.mxfp4_kernel", "repack_blocks", "u8_1d", "u8_1d", "u8_1d")
 
 
 def repack(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:

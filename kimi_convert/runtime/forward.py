@@ -7,7 +7,7 @@ the products that involve no weight are computed in float64 and rounded once, so
 give the same f32 on every CPU (see `exp`). Activations are not rounded to the weights'
 vec_dot type (bf16/q8_0), so on non-F32 files llama.cpp differs by that rounding;
 `llama_cpp_rounding` turns on that rounding and ggml's summation order for the weight
-matmuls (kimi_convert/ggml_cpu.py).
+matmuls (kimi_convert/runtime/ggml_cpu.py).
 
 Memory: the file stays memory-mapped and every weight is dequantised when it is used and
 dropped right after (`Weights`). Token embeddings are read row by row, `output` in row
@@ -27,11 +27,11 @@ from typing import Protocol
 import numpy as np
 
 from . import ggml_cpu
-from .constants import T, tname
-from .errors import CheckpointError
-from .gguf_io import GGUFFile, dequantize, open_gguf
-from .model import KimiConfig
-from .tensor_map import gguf_tensors
+from ..constants import T, tname
+from ..errors import CheckpointError
+from ..gguf_io import GGUFFile, dequantize, open_gguf
+from ..model import KimiConfig
+from ..tensor_map import gguf_tensors
 
 F32, F64 = np.float32, np.float64
 OUTPUT_CHUNK_ROWS = 8192       # rows of `output` / vocab dequantised at a time
@@ -445,7 +445,7 @@ class MatmulHook(Protocol):
 
     name is the GGUF tensor; key is 0, the head (attn_k_b / attn_v_b), or (position, expert) for a routed
     expert's row. Used to compare the runtime with llama.cpp's own matmul inputs
-    (kimi_convert.interop.tie_breaks).
+    (kimi_interop.tie_breaks).
     """
 
     def __call__(self, name: str, key: int | tuple[int, int], x: np.ndarray) -> np.ndarray: ...
@@ -500,7 +500,7 @@ class Runtime:
         or quantized file with it position by position: True or ggml_cpu.X86_AVX2 for llama-cpp-python as
         .ci/install-interop.sh pins it (activation rounding, the kernel it picks and its arithmetic),
         ggml_cpu.WASM for wllama (its rounding, and the arithmetic of the kernels read from its wasm). See
-        kimi_convert/ggml_cpu.py."""
+        kimi_convert/runtime/ggml_cpu.py."""
         target = ggml_cpu.X86_AVX2 if llama_cpp_rounding is True else llama_cpp_rounding or None
         if target is not None and target not in ggml_cpu.TARGETS:
             raise ValueError(f"llama_cpp_rounding must be a bool or one of {ggml_cpu.TARGETS}, not {llama_cpp_rounding!r}")

@@ -24,23 +24,24 @@ import numpy as np
 from gguf import GGML_QUANT_VERSION, GGUFWriter, LlamaFileType
 from gguf import GGMLQuantizationType as QT
 
-from . import mxfp4, native
+from . import mxfp4
+from .. import native
 from .checkpoint import DTYPE_SIZE, Checkpoint, SourceTensor, checkpoint_inputs, f32_to_bf16, to_f32
-from .constants import HF_TEXT_PREFIX, tname
-from .errors import CheckpointError, ConfigError
-from .gcutil import gc_paused
-from .gguf_io import (COPY_CHUNK, DirectSink, DiskRoom, FileRange, GGUFStreamWriter, OutTensor, Prefetch,
-                      SourceFiles, check_free_disk, check_output_paths, check_split_max_size, disk_bytes, disk_room,
-                      split_paths, stale_partials, tensor_nbytes, written_paths)
-from .model import KimiConfig
-from .paths import Input, refuse_overlap
+from ..constants import HF_TEXT_PREFIX, tname
+from ..errors import CheckpointError, ConfigError
+from ..gcutil import gc_paused
+from ..gguf_io import (COPY_CHUNK, DirectSink, DiskRoom, FileRange, GGUFStreamWriter, OutTensor, Prefetch,
+                       SourceFiles, check_free_disk, check_output_paths, check_split_max_size, disk_bytes, disk_room,
+                       split_paths, stale_partials, tensor_nbytes, written_paths)
+from ..model import KimiConfig
+from ..paths import Input, refuse_overlap
 from .shard_io import read_tensors
-from .tensor_map import (A_LOG, CONV1D, COPY, EXPERTS, GLOBAL_RULES, K_B, LAYER_KINDS, LAYER_RULES,
-                         RES_SCORE, V_B, Rule, expert_sources, gguf_shape, sanitize, stored_type)
+from ..tensor_map import (A_LOG, CONV1D, COPY, EXPERTS, GLOBAL_RULES, K_B, LAYER_KINDS, LAYER_RULES,
+                          RES_SCORE, V_B, Rule, expert_sources, gguf_shape, sanitize, stored_type)
 
 if TYPE_CHECKING:
-    from .quant.onepass import OnePass
-    from .quant.policy import Policy
+    from ..quant.onepass import OnePass
+    from ..quant.policy import Policy
     from .vocab import Vocab
 
 OUTTYPES = {"bf16": QT.BF16, "f32": QT.F32}
@@ -474,8 +475,8 @@ def plan_policy(plan: Plan, policy: "Policy", *, imatrix=None, allow_requantize:
                 strict: bool = False, threads: int = 0) -> "OnePass":
     """The policy applied to what this plan writes (each tensor's name, shape and output type), as kimi-quantize
     applies it to the converted file."""
-    from .quant.mixtures import ModelFacts
-    from .quant.onepass import plan_one_pass
+    from ..quant.mixtures import ModelFacts
+    from ..quant.onepass import plan_one_pass
     return plan_one_pass(((t.name, t.shape, t.qtype) for t in plan.tensors), policy,
                          model=ModelFacts.of(plan.config), imatrix=imatrix,
                          allow_requantize=allow_requantize, strict=strict, threads=threads)

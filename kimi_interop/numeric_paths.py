@@ -5,8 +5,8 @@ file can then give different last bits on different machines (docs/verification.
 all of it, and `.ci/install-interop.sh` uses this file (stdlib only, runnable as a script) to check that the
 installed llama-cpp-python is its pinned x86-64-v3 build:
 
-    python kimi_convert/interop/numeric_paths.py pinned-system-info   # what that build reports
-    python kimi_convert/interop/numeric_paths.py llama-cpp-probe      # version, sha256 of libggml-cpu.so, report
+    python kimi_interop/numeric_paths.py pinned-system-info   # what that build reports
+    python kimi_interop/numeric_paths.py llama-cpp-probe      # version, sha256 of libggml-cpu.so, report
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "av
 
 # llama_print_system_info() of llama-cpp-python 0.3.36 built by .ci/install-interop.sh (GGML_NATIVE=OFF,
 # AVX/AVX2/FMA/F16C/BMI2, tinyBLAS, repack), whitespace-normalised. A -march=native build on an AVX512 CPU adds
-# "AVX512 = 1 | AVX512_BF16 = 1 | ...", which means other BF16/F32 matmul kernels (kimi_convert/ggml_cpu.py).
+# "AVX512 = 1 | AVX512_BF16 = 1 | ...", which means other BF16/F32 matmul kernels (kimi_convert/runtime/ggml_cpu.py).
 PINNED_SYSTEM_INFO = ("CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | BMI2 = 1 | "
                       "LLAMAFILE = 1 | OPENMP = 1 | REPACK = 1 |")
 INSTALL_HINT = "run `bash .ci/install-interop.sh` from the repo root"

@@ -1,0 +1,79 @@
+"""The policy options kimi-quantize and kimi-convert --policy share: loading the policy and imatrix,
+reporting the decisions, the --dry-run table."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+from rich.markup import escape
+from rich.table import Table
+
+from .common import console, human, note, output, reading
+
+
+def load_policy_options(policy: str, tensor_type: List[str], tensor_type_file: List[Path], imatrix: Optional[Path],
+                        *, allow_requantize: bool, plan_only: bool):
+    """(policy, imatrix or None) from --policy, --tensor-type, --tensor-type-file and --imatrix, with the policy's
+    requirements checked: kimi-quantize and kimi-convert --policy read them alike, before any heavy work."""
+    from ..quant.policy import load_policy, tensor_type_rules
+    reading(policy)         # and its --tensor-type rules
+    pol = load_policy(policy).with_tensor_types(tensor_type_rules(tensor_type, tensor_type_file), tensor_type_file)
+    for line in pol.check_requirements(imatrix=imatrix is not None, allow_requantize=allow_requantize,
+                                       plan_only=plan_only):
+        note(line)
+    if imatrix is None:
+        return pol, None
+    reading(imatrix)
+    return pol, load_imatrix(imatrix)
+
+
+def report_decisions(plan, imat) -> None:
+    """On stderr: the rules that name protected tensors, the warnings, and the imatrix's coverage."""
+    from ..quant.driver import imatrix_coverage
+    print_conflicts(plan)
+    for w in plan.warnings:
+        console.print(f"[yellow]warning:[/] {escape(w)}", highlight=False)
+    if imat is not None:
+        for line in imatrix_coverage(plan, imat):
+            note(line)
+
+
+def report_write_blockers(plan, imat) -> None:
+    """With --explain / --dry-run: on stderr, why writing this plan would be refused (quant.plan.write_blockers)."""
+    from ..quant.plan import write_blockers
+    entries = None if imat is None else {d.name for d in plan.decisions
+                                         if d.needs_imatrix and imat.has_vector(d.name, d.shape)}
+    for line in write_blockers(plan, entries, getattr(imat, "path", "")):
+        console.print(f"[yellow]note:[/] writing this plan is refused: {escape(line)}", highlight=False)
+
+
+def load_imatrix(path: Path):
+    from ..quant.imatrix import load_imatrix as load
+    return load(path)
+
+
+def print_conflicts(plan) -> None:
+    """One note per (rule, protection), the lines --strict refuses with: the tensors it names, the protection
+    and why; the rule is not applied to them."""
+    for g in plan.conflict_groups:
+        console.print(f"[yellow]note:[/] {escape(g.describe())} (not applied to them)", highlight=False)
+
+
+def print_dry_run_table(plan, title: str):
+    """Output bytes and estimated time per class and type, and the total (also kimi-convert --policy --dry-run's)."""
+    from ..quant.driver import estimate
+    e = estimate(plan)
+    t = Table(title=title)
+    for col in ("type", "tensors", "bytes", "est. time"):
+        t.add_column(col, justify="left" if col == "type" else "right")
+    for row in e.rows:
+        t.add_row(row.label, str(row.n), human(row.nbytes), _seconds(row.seconds))
+    t.add_row("[bold]total", f"[bold]{len(plan.decisions)}", f"[bold]{human(plan.target_bytes)}",
+              f"[bold]{_seconds(e.seconds)}")
+    output.print(t)
+    return e
+
+
+def _seconds(seconds: float) -> str:
+    """An estimated time; n/a for a type that cannot be written yet (no kernel to time)."""
+    return "n/a" if seconds != seconds else f"{seconds:.1f} s"
