@@ -80,6 +80,8 @@ def main() -> int:
         for with_im in variants:
             if with_im and not block_type(qt).uses_imatrix():
                 continue   # the imatrix is not used by this type (F32, F16, BF16, Q8_0, the low-bit types)
+            if not with_im and block_type(qt).ggml_requires_imatrix:
+                continue   # ggml quantizes it only with an imatrix (IQ2_XXS, IQ2_XS)
             qw = im if with_im else None
             quantize(x[:2], qt, qw)  # compile / load the kernels outside the timing
             for nt in threads:
