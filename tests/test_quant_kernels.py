@@ -275,8 +275,8 @@ def test_bad_arguments():
         quantize(x, QT.Q4_K)
     with pytest.raises(ValueError, match="imatrix has shape"):
         quantize(x, QT.Q4_0, np.ones(95, np.float32))
-    with pytest.raises(ValueError, match="no quantizer for ggml type IQ2_XXS"):
-        quantize(x, QT.IQ2_XXS)
+    with pytest.raises(ValueError, match="no quantizer for ggml type I8"):     # a type no kernel writes
+        quantize(x, QT.I8)
     with pytest.raises(ValueError, match="2-D"):
         quantize(np.zeros(96, np.float32), QT.Q8_0)
 

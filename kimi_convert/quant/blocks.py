@@ -57,6 +57,7 @@ class BlockType:
     e8m0_offsets: ClassVar[tuple[int, ...]] = ()   # ... and of its E8M0 scales (0xFF is invalid)
     _ref: ClassVar[Kernel | None] = None
     _impl: ClassVar[Kernel | None] = None
+    ggml_requires_imatrix: ClassVar[bool] = False  # ggml asserts an imatrix (IQ2_XXS, IQ2_XS, IQ1_S): no _ref
     _to_f32: ClassVar[Kernel | None] = None       # our dequantizer, for the types gguf-py has none of (Q1_0, Q2_0)
 
     def __init_subclass__(cls, qtype: QT, **kwargs) -> None:
@@ -273,6 +274,33 @@ class IQ4_XS(BlockType, qtype=QT.IQ4_XS):
     _impl = _weighted("iq4", "iq4_xs_impl_rows")
 
 
+# --- IQ2 family: 2-bit grid i-quants (kernels.iq2; the grid tables as the kernels' last arguments) ---
+# ggml asserts an imatrix for IQ2_XXS and IQ2_XS (ggml_quantize_requires_imatrix): they have no _ref.
+
+class IQ2_XXS(GridType, BlockType, qtype=QT.IQ2_XXS):
+    mirrors = "none: quantize_row_iq2_xxs_impl asserts quant_weights"
+    mirrors_imatrix = "quantize_row_iq2_xxs_impl"
+    ggml_requires_imatrix = True
+    scale_offsets = (0,)
+    _impl = _weighted("iq2", "iq2_xxs_impl_rows", GRID_TABLES)
+
+
+class IQ2_XS(GridType, BlockType, qtype=QT.IQ2_XS):
+    mirrors = "none: quantize_row_iq2_xs_impl asserts quant_weights"
+    mirrors_imatrix = "quantize_row_iq2_xs_impl"
+    ggml_requires_imatrix = True
+    scale_offsets = (0,)
+    _impl = _weighted("iq2", "iq2_xs_impl_rows", GRID_TABLES)
+
+
+class IQ2_S(GridType, BlockType, qtype=QT.IQ2_S):
+    mirrors = "quantize_row_iq2_s_impl (weights 0.25*sigma2 + x^2)"
+    mirrors_imatrix = "quantize_row_iq2_s_impl"
+    scale_offsets = (0,)
+    _ref = _rows("iq2", "iq2_s_rows", tables=GRID_TABLES)
+    _impl = _weighted("iq2", "iq2_s_impl_rows", GRID_TABLES)
+
+
 # --- low-bit types, none of which uses the imatrix (kernels.lowbit) ---
 
 def _dequantizer(name: str) -> Kernel:
@@ -383,6 +411,8 @@ def quantize(values: np.ndarray, qtype: QT, imatrix: np.ndarray | None = None, *
     rows = _stored_rows(values, src)
     n_per_row = rows.shape[1] // src.type_size * src.block_size if rows.dtype == np.uint8 else rows.shape[1]
     row_size(bt.qtype, n_per_row)
+    if imatrix is None and bt.ggml_requires_imatrix:
+        raise ValueError(f"{bt.qtype.name}: ggml quantizes this type only with an imatrix")
     qw = None
     if imatrix is not None and bt.uses_imatrix():
         qw = np.ascontiguousarray(imatrix, dtype=np.float32)
