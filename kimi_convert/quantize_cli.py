@@ -3,6 +3,8 @@
   kimi-quantize --policy POLICY IN.gguf OUT.gguf [--imatrix FILE] [--tensor-type RE=TYPE ...]
                 [--tensor-type-file F] [--explain] [--dry-run] [--strict] [--allow-requantize]
                 [--threads N] [--force] [--keep-split | --split-max-size S] [--json REPORT.json]
+  kimi-quantize --target-size 600G IN.gguf OUT.gguf --imatrix FILE [--policy BASE] [--gpu-budget 80G]
+                [--emit-policy CHOSEN.toml] ...     (or --target-bpw 2.5)
 
 POLICY is a TOML file, a shipped preset name (lower case: q8_0, k3-q4) or a llama-quantize file type (upper case:
 Q4_K_M, IQ2_XXS), whose mixture then decides (docs/policy.md); `kimi-quantize --list-presets` lists both kinds.
@@ -59,8 +61,20 @@ def quantize(
                                help="a kimi-k3 / kimi-k31 GGUF (any part of a split file)"),
     out: Optional[Path] = typer.Argument(None, readable=False, metavar="OUT.gguf",
                                          help="the quantized file (not needed with --dry-run or --explain)"),
-    policy: str = typer.Option(..., "--policy", metavar="POLICY",
-                               help="policy TOML file or preset name (see --list-presets)"),
+    policy: Optional[str] = typer.Option(None, "--policy", metavar="POLICY",
+                                         help="policy TOML file or preset name (see --list-presets); with "
+                                         "--target-size, the BASE whose rules pin the tensors they name"),
+    target_size: Optional[str] = typer.Option(None, "--target-size", metavar="SIZE",
+                                              help="choose every free tensor's type so that the tensor data "
+                                              "fits SIZE (K/M/G/T: powers of 1000), e.g. 600G; needs --imatrix"),
+    target_bpw: Optional[str] = typer.Option(None, "--target-bpw", metavar="BPW",
+                                             help="the same budget in bits per weight, e.g. 2.5"),
+    gpu_budget: Optional[str] = typer.Option(None, "--gpu-budget", metavar="SIZE",
+                                             help="with a budget: the tensors that run for every token (all but "
+                                             "the routed experts) fit SIZE, the experts the rest"),
+    emit_policy: Optional[Path] = typer.Option(None, "--emit-policy", readable=False, metavar="CHOSEN.toml",
+                                               help="with a budget: write the chosen types as a policy file "
+                                               "(--policy CHOSEN.toml makes the same file)"),
     imatrix: Optional[Path] = typer.Option(None, "--imatrix", readable=False, metavar="FILE",
                                            help="llama-imatrix file (GGUF or .dat)"),
     tensor_type: List[str] = typer.Option([], "--tensor-type", metavar="RE=TYPE",
@@ -111,15 +125,26 @@ def quantize(
                 max_size = parse_size(split_max_size)
                 check_split_max_size(max_size, split_max_size)
             check_count(threads, "--threads", 0, MAX_THREADS, "one OS thread each; 0 is all cores")
+            target = target_options(target_size, target_bpw, gpu_budget, emit_policy, imatrix, policy)
             pol, imat = load_policy_options(policy, tensor_type, tensor_type_file, imatrix,
-                                            allow_requantize=allow_requantize, plan_only=explain or dry_run)
+                                            allow_requantize=allow_requantize, plan_only=explain or dry_run,
+                                            base=target is not None)
+            cache = target and target.cache_path(out)
             refuse_overlap(run_inputs(src, pol, imat), [*(written_paths(out) if out is not None else []),
-                                                        *([report_output(json_file)] if json_file else [])])
+                                                        *([report_output(json_file)] if json_file else []),
+                                                        *(target.outputs(out) if target else [])])
             report = held.enter_context(closing(Report(json_file, force))) if json_file is not None else None
+            emitted = (held.enter_context(closing(Report(emit_policy, force, "--emit-policy")))
+                       if emit_policy is not None else None)
             if not (explain or dry_run):        # a second run into OUT refuses before reading IN
                 held.enter_context(output_lock(out))
             reading(src)
             gf = open_gguf(src)
+            choice = None
+            if target is not None:
+                choice = choose_types(gf, pol, imat, target, allow_requantize=allow_requantize, threads=threads,
+                                      cache=cache)
+                pol = choice.policy
             plan = plan_file(gf, pol, allow_requantize=allow_requantize, strict=strict, imatrix=imat is not None)
             report_decisions(plan, imat)
             if explain or dry_run:
@@ -128,14 +153,21 @@ def quantize(
                     print_explain(plan, pol)
                 if dry_run:
                     print_dry_run(plan)
+                if choice is not None:
+                    print_choice(choice, explain)
                 if report:
                     report.deliver(json_report(plan, pol))
+                if emitted:
+                    emitted.deliver(choice.text)
                 return
             with progress_bar(plan.target_bytes) as advance:
                 result = quantize_file(src, out, pol, imatrix=imat, allow_requantize=allow_requantize,
                                        strict=strict, force=force, split_max_size=max_size, keep_split=keep_split,
                                        threads=threads, on_bytes=advance, log=note, resume=resume,
-                                       reports=[(report, json_report(plan, pol))] if report else [])
+                                       reports=[*([(report, json_report(plan, pol))] if report else []),
+                                                *([(emitted, choice.text)] if emitted else [])])
+            if choice is not None:
+                print_choice(choice, False)
             for line in result.notes:
                 note(line)
     except KimiError as e:
@@ -149,13 +181,22 @@ def quantize(
                   f"in {result.seconds:.1f} s", highlight=False)
 
 
-def load_policy_options(policy: str, tensor_type: List[str], tensor_type_file: List[Path], imatrix: Optional[Path],
-                        *, allow_requantize: bool, plan_only: bool):
+def load_policy_options(policy: Optional[str], tensor_type: List[str], tensor_type_file: List[Path],
+                        imatrix: Optional[Path], *, allow_requantize: bool, plan_only: bool, base: bool = False):
     """(policy, imatrix or None) from --policy, --tensor-type, --tensor-type-file and --imatrix, with the policy's
-    requirements checked: kimi-quantize and kimi-convert --policy read them alike, before any heavy work."""
+    requirements checked: kimi-quantize and kimi-convert --policy read them alike, before any heavy work.
+    `base`: the policy is a budget's BASE (quant.target), and may be absent (no tensor pinned)."""
     from .quant.policy import load_policy, tensor_type_rules
-    reading(policy)         # and its --tensor-type rules
-    pol = load_policy(policy).with_tensor_types(tensor_type_rules(tensor_type, tensor_type_file), tensor_type_file)
+    if policy is None:
+        if not base:
+            raise KimiError("give --policy POLICY (a file or preset: --list-presets), or a budget: "
+                            "--target-size SIZE / --target-bpw BPW")
+        from .quant.target.choose import no_base
+        pol = no_base()
+    else:
+        reading(policy)         # and its --tensor-type rules
+        pol = load_policy(policy)
+    pol = pol.with_tensor_types(tensor_type_rules(tensor_type, tensor_type_file), tensor_type_file)
     for line in pol.check_requirements(imatrix=imatrix is not None, allow_requantize=allow_requantize,
                                        plan_only=plan_only):
         note(line)
@@ -163,6 +204,46 @@ def load_policy_options(policy: str, tensor_type: List[str], tensor_type_file: L
         return pol, None
     reading(imatrix)
     return pol, load_imatrix(imatrix)
+
+
+def target_options(target_size: Optional[str], target_bpw: Optional[str], gpu_budget: Optional[str],
+                   emit_policy: Optional[Path], imatrix: Optional[Path], policy: Optional[str]):
+    """The budget options (quant.target.choose.TargetOptions), or None without one; every bad value refused in
+    one line before anything is read."""
+    from .quant.target.budget import BudgetError, parse_budget
+    from .quant.target.choose import TargetOptions, check_budget_options
+    budget = parse_budget(target_size, target_bpw)
+    gpu = None
+    if gpu_budget is not None:
+        gpu = parse_size(gpu_budget, "--gpu-budget")
+        if gpu <= 0:
+            raise BudgetError(f"--gpu-budget {gpu_budget!r}: must be more than 0 bytes")
+    check_budget_options(budget, imatrix, gpu)
+    if budget is None:
+        if emit_policy is not None:
+            raise BudgetError("--emit-policy writes the types a budget chose: give --target-size or --target-bpw")
+        return None
+    return TargetOptions(budget, gpu, emit_policy)
+
+
+def choose_types(gf, base, imat, target, *, allow_requantize: bool, threads: int, cache):
+    from .quant.blocks import default_threads
+    from .quant.target.choose import choose
+    if cache is None:
+        note("no OUT.gguf or --emit-policy: the measured errors are not cached")
+    return choose(gf, base, target.budget, imat, allow_requantize=allow_requantize, gpu_budget=target.gpu_budget,
+                  threads=threads or default_threads(), cache_path=cache,
+                  source=str(target.emit_policy or "the chosen policy"), note=note)
+
+
+def print_choice(choice, explain: bool) -> None:
+    """On stderr: the budget met; with --explain, each decision (its type, bytes, error and the hull's others)."""
+    from .quant.target.budget import decimal_size
+    if explain:
+        for line in choice.lines:
+            console.print(escape(line), highlight=False)
+    console.print(f"budget {decimal_size(choice.budget_bytes)}: chose {decimal_size(choice.nbytes)} "
+                  f"(floor {decimal_size(choice.floor)}, ceiling {decimal_size(choice.ceiling)})", highlight=False)
 
 
 def report_decisions(plan, imat) -> None:

@@ -1,0 +1,128 @@
+"""The error of each candidate type: imatrix-weighted relative quantization error on sampled rows.
+
+For a row x of a tensor, quantized to type T and widened back (our byte-exact quantizers and dequantizers, with
+the imatrix vector the write would use: what is measured is what will be written), with s the importance
+vector (llama-imatrix's mean squared activations per column; all ones where the tensor has no entry):
+
+    e(x, T) = sum_j s_j (x_j - deq(q(x))_j)^2 / sum_j s_j x_j^2
+
+which is E|dW a|^2 / E|W a|^2 for activations a of diagonal covariance s: what ggml's quantizers minimise. A
+tensor's error is the mean of e over its sampled rows times its row count (an estimate of the sum over all
+rows, so a big tensor weighs more than a small one), and a decision's the sum over its tensors.
+
+Rows: SAMPLE_ROWS per matrix, evenly strided from an offset seeded by the tensor's name (the same rows every
+run); every expert of a stacked tensor is sampled. Results are cached in a JSON file beside the output, keyed by
+a hash of the sampled rows' stored bytes, the imatrix values they are quantized with, the type and this
+module's MEASURE_VERSION: a second budget on the same model and imatrix reads the samples and quantizes nothing.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import zlib
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+
+from ...gguf_io import GGUFFile
+from ..blocks import dequantize, quantize
+from ..imatrix import expert_slice
+from .units import Unit
+
+MEASURE_VERSION = 1
+SAMPLE_ROWS = 8         # rows sampled per matrix (per expert of a stacked tensor)
+
+
+class ErrorCache:
+    """(sample hash -> error) read from and written to `path` (None: in memory only), written atomically."""
+
+    def __init__(self, path: Path | None, note: Callable[[str], None] = lambda s: None):
+        self.path, self.entries, self.hits, self.misses = path, {}, 0, 0
+        if path is not None and path.is_file():
+            try:
+                doc = json.loads(path.read_text(encoding="utf-8"))
+                if doc.get("version") == MEASURE_VERSION:
+                    self.entries = {str(k): float(v) for k, v in doc["errors"].items()}
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+                note(f"{path}: unreadable error cache ({e}); measuring again")
+
+    def get(self, key: str, compute: Callable[[], float]) -> float:
+        if key in self.entries:
+            self.hits += 1
+            return self.entries[key]
+        self.misses += 1
+        self.entries[key] = value = float(compute())
+        return value
+
+    def save(self) -> None:
+        if self.path is None or not self.misses:
+            return
+        tmp = self.path.with_name(f".{self.path.name}.partial-{os.getpid()}")
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump({"version": MEASURE_VERSION, "errors": dict(sorted(self.entries.items()))}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+
+def sampled_rows(name: str, shape: tuple[int, ...], per_matrix: int = SAMPLE_ROWS) -> list[tuple[int, list[int]]]:
+    """(matrix, its sampled row numbers, counted over the whole tensor) for every matrix of a tensor."""
+    n_mats = int(np.prod(shape[:-2], dtype=np.int64)) if len(shape) > 2 else 1
+    rows = shape[-2] if len(shape) > 1 else 1
+    k = min(per_matrix, rows)
+    stride = rows // k
+    offset = zlib.crc32(name.encode()) % stride
+    return [(e, [e * rows + offset + i * stride for i in range(k)]) for e in range(n_mats)]
+
+
+def unit_errors(unit: Unit, gf: GGUFFile, vectors: Callable[[str], np.ndarray | None], cache: ErrorCache,
+                threads: int) -> dict[QT, float]:
+    """The error of each of `unit`'s candidates (keeping the stored type: 0)."""
+    errors = {t: 0.0 for t in unit.candidates}
+    for d in unit.decisions:
+        t = gf.tensors[d.name]
+        vector = vectors(d.name)
+        samples = [(e, _read(t, rows), None if vector is None else expert_slice(vector, d.shape, e))
+                   for e, rows in sampled_rows(d.name, d.shape)]
+        n_rows = int(np.prod(d.shape[:-1], dtype=np.int64))
+        digest = _digest(d.name, samples)
+        for qt in unit.candidates:
+            if qt == d.source:
+                continue
+            key = f"{digest}:{qt.name}"
+            errors[qt] += cache.get(key, lambda qt=qt: _tensor_error(samples, d.source, qt, threads) * n_rows)
+    return errors
+
+
+def _read(t, rows: list[int]) -> np.ndarray:
+    buf = np.empty(t.row_nbytes, np.uint8)
+    return np.concatenate([np.array(t.read_rows(r, r + 1, buf)) for r in rows])
+
+
+def _digest(name: str, samples) -> str:
+    h = hashlib.sha256(f"{MEASURE_VERSION}:{SAMPLE_ROWS}:{name}".encode())
+    for e, stored, vector in samples:
+        h.update(np.ascontiguousarray(stored).tobytes())
+        h.update(b"-" if vector is None else np.ascontiguousarray(vector, dtype=np.float32).tobytes())
+    return h.hexdigest()
+
+
+def _tensor_error(samples, source: QT, qtype: QT, threads: int) -> float:
+    """Mean relative weighted error over the sampled rows (the samples of every matrix of one tensor)."""
+    total, n = 0.0, 0
+    for _, stored, vector in samples:
+        x = dequantize(stored, source, threads=1)
+        y = dequantize(quantize(x, qtype, vector, threads=threads), qtype, threads=1)
+        s = np.ones(x.shape[1], np.float64) if vector is None else vector.astype(np.float64)
+        xd = x.astype(np.float64)
+        num = ((xd - y.astype(np.float64)) ** 2) @ s
+        den = (xd ** 2) @ s
+        total += float(np.sum(np.divide(num, den, out=np.zeros_like(num), where=den > 0)))
+        n += x.shape[0]
+    return total / max(n, 1)
