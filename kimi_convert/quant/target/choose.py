@@ -15,7 +15,7 @@ from .budget import Budget, BudgetError, check_feasible, decimal_size
 from .emit import Chosen, decided_why, policy_text
 from .measure import ErrorCache, unit_errors
 from .solver import Point, Solution, lower_hull, solve
-from .units import ROUTED_EXPERTS, Decisions, Unit, split_decisions
+from .units import ROUTED_EXPERTS, Decisions, held, split_decisions
 
 
 @dataclass
@@ -72,7 +72,7 @@ def choose(gf: GGUFFile, base: Policy, budget: Budget, imat, *, allow_requantize
     note(f"error measures: {cache.hits} from the cache, {cache.misses} measured"
          + (f" ({cache_path})" if cache_path is not None else ""))
     solution = split_solve(decisions, hulls, budget_bytes, gpu_budget)
-    return _choice(decisions, hulls, solution, budget, budget_bytes, source, base)
+    return _choice(decisions, hulls, solution, budget, budget_bytes, source, base, allow_requantize)
 
 
 def _dense(decisions: Decisions) -> Decisions:
@@ -108,7 +108,7 @@ def split_solve(decisions: Decisions, hulls: list, budget_bytes: int, gpu_budget
 
 
 def _choice(decisions: Decisions, hulls, solution: Solution, budget: Budget, budget_bytes: int, source: str,
-            base: Policy) -> Choice:
+            base: Policy, allow_requantize: bool) -> Choice:
     chosen: list[Chosen] = []
     lines = []
     for u, h, i in zip(decisions.units, hulls, solution.choice):
@@ -119,7 +119,7 @@ def _choice(decisions: Decisions, hulls, solution: Solution, budget: Budget, bud
         lines.append(f"{u.key:<40} {p.qtype.name:>7} {decimal_size(p.nbytes):>28}  error {p.error:.4g}  "
                      f"(hull: {others})")
     for d in decisions.fixed:
-        if d.protection is None:
+        if not held(d, allow_requantize):
             chosen.append(Chosen((d,), d.target, None, f"fixed: {d.why}"))
     nbytes = decisions.fixed_bytes + solution.nbytes
     header = [f"{budget.spelled}: {decimal_size(nbytes)} of {decimal_size(budget_bytes)}",

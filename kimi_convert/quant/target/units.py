@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from gguf import GGMLQuantizationType as QT
 
 from ...gguf_io import QUANT_SIZES, tensor_nbytes
+from ...tensor_map import MXFP4_EXPERTS
 from ..blocks import supported_types
 from ..mixtures import FLOAT_TYPES, requires_imatrix
 from ..plan import Decision, QuantPlan
@@ -67,6 +68,11 @@ class Decisions:
         return self.fixed_bytes + sum(u.nbytes(u.candidates[-1]) for u in self.units)
 
 
+def held(d: Decision, allow_requantize: bool) -> bool:
+    """Whether a protection keeps `d` as stored (plan.decide: --allow-requantize frees the MXFP4 experts)."""
+    return d.protection is not None and not (d.protection.kind == MXFP4_EXPERTS and allow_requantize)
+
+
 def unit_key(name: str) -> str:
     m = ROUTED_EXPERTS.match(name)
     if m is None:
@@ -78,7 +84,7 @@ def split_decisions(plan: QuantPlan, has_vector, *, allow_requantize: bool) -> D
     """`plan`: the BASE policy's plan; `has_vector(decision)`: whether the imatrix has a vector for it."""
     fixed, groups = [], {}
     for d in plan.decisions:
-        if d.protection is not None and d.copied or d.rule is not None:
+        if held(d, allow_requantize) or d.rule is not None:
             fixed.append(d)
         else:
             groups.setdefault(unit_key(d.name), []).append(d)
