@@ -10,8 +10,10 @@ which is E|dW a|^2 / E|W a|^2 for activations a of diagonal covariance s: what g
 tensor's error is the mean of e over its sampled rows times its row count (an estimate of the sum over all
 rows, so a big tensor weighs more than a small one), and a decision's the sum over its tensors.
 
-Rows: SAMPLE_ROWS per matrix, evenly strided from an offset seeded by the tensor's name (the same rows every
-run); every expert of a stacked tensor is sampled. Results are cached in a JSON file beside the output, keyed by
+Rows: at least TENSOR_ROWS per tensor and EXPERT_ROWS per matrix (every expert of a stacked tensor is sampled),
+evenly strided from an offset seeded by the tensor's name (the same rows every run). The candidates of a tensor
+are measured on `threads` threads at once (one candidate each; the kernels drop the GIL); each candidate's sum
+is taken in the same order whatever the thread count, so the errors do not depend on it. Results are cached in a JSON file beside the output, keyed by
 a hash of the sampled rows' stored bytes, the imatrix values they are quantized with, the type and this
 module's MEASURE_VERSION: a second budget on the same model and imatrix reads the samples and quantizes nothing.
 """
@@ -21,6 +23,8 @@ import hashlib
 import json
 import os
 import zlib
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
 from pathlib import Path
 from typing import Callable
 
@@ -32,8 +36,9 @@ from ..blocks import dequantize, quantize
 from ..imatrix import expert_slice
 from .units import Unit
 
-MEASURE_VERSION = 1
-SAMPLE_ROWS = 8         # rows sampled per matrix (per expert of a stacked tensor)
+MEASURE_VERSION = 2
+EXPERT_ROWS = 4         # rows sampled per matrix at least: K3's 896 experts give 3,584 rows per expert tensor
+TENSOR_ROWS = 64        # rows sampled per tensor at least (all of them when it has fewer)
 
 
 class ErrorCache:
@@ -71,11 +76,11 @@ class ErrorCache:
             tmp.unlink(missing_ok=True)
 
 
-def sampled_rows(name: str, shape: tuple[int, ...], per_matrix: int = SAMPLE_ROWS) -> list[tuple[int, list[int]]]:
+def sampled_rows(name: str, shape: tuple[int, ...]) -> list[tuple[int, list[int]]]:
     """(matrix, its sampled row numbers, counted over the whole tensor) for every matrix of a tensor."""
     n_mats = int(np.prod(shape[:-2], dtype=np.int64)) if len(shape) > 2 else 1
     rows = shape[-2] if len(shape) > 1 else 1
-    k = min(per_matrix, rows)
+    k = min(max(EXPERT_ROWS, -(-TENSOR_ROWS // n_mats)), rows)
     stride = rows // k
     offset = zlib.crc32(name.encode()) % stride
     return [(e, [e * rows + offset + i * stride for i in range(k)]) for e in range(n_mats)]
@@ -88,16 +93,23 @@ def unit_errors(unit: Unit, gf: GGUFFile, vectors: Callable[[str], np.ndarray | 
     for d in unit.decisions:
         t = gf.tensors[d.name]
         vector = vectors(d.name)
-        samples = [(e, _read(t, rows), None if vector is None else expert_slice(vector, d.shape, e))
+        samples = [(_read(t, rows), None if vector is None else expert_slice(vector, d.shape, e))
                    for e, rows in sampled_rows(d.name, d.shape)]
         n_rows = int(np.prod(d.shape[:-1], dtype=np.int64))
         digest = _digest(d.name, samples)
+        todo = [qt for qt in unit.candidates if qt != d.source and f"{digest}:{qt.name}" not in cache.entries]
+        if todo:
+            x = [dequantize(stored, d.source, threads=1) for stored, _ in samples]
+            measured = dict(zip(todo, _pool(threads).map(lambda qt: _tensor_error(x, samples, qt), todo)))
         for qt in unit.candidates:
-            if qt == d.source:
-                continue
-            key = f"{digest}:{qt.name}"
-            errors[qt] += cache.get(key, lambda qt=qt: _tensor_error(samples, d.source, qt, threads) * n_rows)
+            if qt != d.source:
+                errors[qt] += cache.get(f"{digest}:{qt.name}", lambda qt=qt: measured[qt] * n_rows)
     return errors
+
+
+@lru_cache(maxsize=None)
+def _pool(threads: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max(1, threads), thread_name_prefix="kimi-target")
 
 
 def _read(t, rows: list[int]) -> np.ndarray:
@@ -106,23 +118,27 @@ def _read(t, rows: list[int]) -> np.ndarray:
 
 
 def _digest(name: str, samples) -> str:
-    h = hashlib.sha256(f"{MEASURE_VERSION}:{SAMPLE_ROWS}:{name}".encode())
-    for e, stored, vector in samples:
+    h = hashlib.sha256(f"{MEASURE_VERSION}:{EXPERT_ROWS}:{TENSOR_ROWS}:{name}".encode())
+    for stored, vector in samples:
         h.update(np.ascontiguousarray(stored).tobytes())
         h.update(b"-" if vector is None else np.ascontiguousarray(vector, dtype=np.float32).tobytes())
     return h.hexdigest()
 
 
-def _tensor_error(samples, source: QT, qtype: QT, threads: int) -> float:
-    """Mean relative weighted error over the sampled rows (the samples of every matrix of one tensor)."""
-    total, n = 0.0, 0
-    for _, stored, vector in samples:
-        x = dequantize(stored, source, threads=1)
-        y = dequantize(quantize(x, qtype, vector, threads=threads), qtype, threads=1)
-        s = np.ones(x.shape[1], np.float64) if vector is None else vector.astype(np.float64)
-        xd = x.astype(np.float64)
-        num = ((xd - y.astype(np.float64)) ** 2) @ s
+def _tensor_error(x: list[np.ndarray], samples, qtype: QT) -> float:
+    """Mean relative weighted error over the sampled rows of one tensor: `x` its rows per matrix (float32),
+    `samples` their (stored rows, importance vector); every matrix quantized with its vector, then all widened
+    back at once."""
+    quantized = [quantize(rows, qtype, vector, threads=1) for rows, (_, vector) in zip(x, samples)]
+    back = dequantize(np.concatenate(quantized), qtype, threads=1)
+    total, n, at = 0.0, 0, 0
+    for rows, (_, vector) in zip(x, samples):
+        y = back[at:at + rows.shape[0]]
+        at += rows.shape[0]
+        s = np.ones(rows.shape[1], np.float64) if vector is None else vector.astype(np.float64)
+        xd = rows.astype(np.float64)
+        num = ((xd - y) ** 2) @ s
         den = (xd ** 2) @ s
         total += float(np.sum(np.divide(num, den, out=np.zeros_like(num), where=den > 0)))
-        n += x.shape[0]
+        n += rows.shape[0]
     return total / max(n, 1)

@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+"""--target-size (quant/target) measured (not a test): what the error measure costs at K3's real width, and how
+the solver's choice compares with uniform policies of at most the same size on a fixture.
+
+    python benchmarks/bench_target_size.py [--experts 8] [--threads 1]
+
+1. cost: one stacked expert tensor at K3's real width (rows of 3584 values, 3072 rows per expert, random BF16
+   data, `--experts` of them instead of 896: the measure samples EXPERT_ROWS rows of every expert, so its time
+   is per expert), measured for every candidate type, as `--target-size` does; the time per expert and the peak
+   RSS are printed and extrapolated to K3's 276 expert tensors of 896 experts.
+2. quality: the tiny K3 fixture with its experts free (--allow-requantize), at three budgets between the floor
+   and the ceiling: the solver's total error (the measure: imatrix-weighted relative error summed over rows)
+   against every uniform policy (`default = "T"`, llama-quantize's shape fallbacks applied) whose bytes are at
+   most the budget. Random weights make every tensor about equally sensitive, so this shows that the solver
+   spends bytes where the measure says they buy the most; it does not show what a real model's KL divergence
+   does (docs/policy.md, "Choosing types for a size").
+"""
+from __future__ import annotations
+
+import argparse
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from gguf import GGMLQuantizationType as QT  # noqa: E402
+from gguf import GGUFWriter  # noqa: E402
+
+from kimi_convert.convert import build_plan, convert  # noqa: E402
+from kimi_convert.fixtures.imatrix import k3_entries, write_gguf_imatrix  # noqa: E402
+from kimi_convert.fixtures.make_checkpoint import make_checkpoint  # noqa: E402
+from kimi_convert.gguf_io import open_gguf  # noqa: E402
+from kimi_convert.quant.blocks import load_kernels  # noqa: E402
+from kimi_convert.quant.driver import plan_file  # noqa: E402
+from kimi_convert.quant.imatrix import load_imatrix  # noqa: E402
+from kimi_convert.quant.policy import parse_policy  # noqa: E402
+from kimi_convert.quant.target.choose import no_base  # noqa: E402
+from kimi_convert.quant.target.measure import EXPERT_ROWS, ErrorCache, unit_errors  # noqa: E402
+from kimi_convert.quant.target.solver import Point, lower_hull, solve  # noqa: E402
+from kimi_convert.quant.target.units import Unit, candidates, split_decisions  # noqa: E402
+
+K3_EXPERT_TENSORS, K3_EXPERTS, ROW, ROWS = 276, 896, 3584, 3072
+
+
+def cost(experts: int, threads: int, tmp: Path) -> None:
+    path = tmp / "wide.gguf"
+    rng = np.random.default_rng(0)
+    w = GGUFWriter(path, "kimi-k3")
+    data = (rng.standard_normal((experts, ROWS, ROW), dtype=np.float32) * 0.02)
+    bf16 = (data.view(np.uint32) >> 16).astype(np.uint16)
+    w.add_tensor("blk.0.ffn_gate_exps.weight", bf16, raw_shape=(experts, ROWS, ROW), raw_dtype=QT.BF16)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    del data, bf16
+    gf = open_gguf(path)
+    t = gf.tensors["blk.0.ffn_gate_exps.weight"]
+    vector = rng.chisquare(3, experts * ROW).astype(np.float32)
+
+    class D:        # what units.candidates and measure read of a plan decision
+        name, shape, source = t.name, t.shape, t.qtype
+        source_bytes = t.nbytes
+    cands = candidates([D], lambda d: True, False)
+    unit = Unit("blk.0.ffn_gate_up_exps", (D,), cands)
+    load_kernels((QT.BF16, c, True) for c in cands)      # built (first use) and loaded before the clock starts
+    start = time.perf_counter()
+    errors = unit_errors(unit, gf, lambda name: vector, ErrorCache(None), threads)
+    seconds = time.perf_counter() - start
+    per_expert = seconds / experts
+    total = per_expert * K3_EXPERTS * K3_EXPERT_TENSORS
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(f"cost: {len(cands) - 1} candidate types ({', '.join(c.name for c in cands)}), {EXPERT_ROWS} rows of "
+          f"{ROW} per expert, {experts} experts: {seconds:.2f} s, {per_expert * 1e3:.1f} ms per expert; "
+          f"peak RSS {rss / 2**20:.0f} MiB (the tensor is never read whole)")
+    print(f"cost: K3 extrapolated: {K3_EXPERT_TENSORS} x {K3_EXPERTS} experts -> {total / 60:.1f} min on "
+          f"{threads} thread(s) for the experts (the ~1,000 non-expert tensors add a few hundred matrices)")
+    print("cost: errors " + ", ".join(f"{q.name} {e:.3g}" for q, e in errors.items()))
+
+
+def quality(tmp: Path, threads: int) -> None:
+    hf = make_checkpoint(tmp / "k3", arch="k3")
+    src = tmp / "k3.gguf"
+    convert(build_plan(hf, "bf16"), src)
+    gf = open_gguf(src)
+    imat_path = write_gguf_imatrix(tmp / "im.gguf", k3_entries({n: t.shape for n, t in gf.tensors.items()}))
+    imat = load_imatrix(imat_path)
+    plan = plan_file(gf, no_base(), allow_requantize=True, imatrix=True)
+    decisions = split_decisions(plan, lambda d: imat.has_vector(d.name, d.shape), allow_requantize=True)
+    cache = ErrorCache(None)
+    errors = [unit_errors(u, gf, lambda n, u=u: imat.vector(n, next(d.shape for d in u.decisions if d.name == n)),
+                          cache, threads) for u in decisions.units]
+    hulls = [lower_hull([Point(t, u.nbytes(t), e[t]) for t in u.candidates]) for u, e in zip(decisions.units, errors)]
+    uniform = []
+    for t in sorted({t for u in decisions.units for t in u.candidates}, key=int):
+        pol = parse_policy(f'default = "{t.name}"\n', f"uniform {t.name}")
+        try:
+            targets = {d.name: d.target for d in plan_file(gf, pol, allow_requantize=True, imatrix=True).decisions}
+        except Exception as e:      # a type with no fallback for some row length
+            print(f"quality: uniform {t.name}: cannot plan ({e})")
+            continue
+        nbytes, error = decisions.fixed_bytes, 0.0
+        for u, e in zip(decisions.units, errors):
+            q = targets[u.decisions[0].name]
+            if q not in e:          # a fallback that is no candidate here (F16 of a BF16 tensor): kept
+                q = u.source
+            nbytes += u.nbytes(q)
+            error += e[q]
+        uniform.append((t.name, nbytes, error))
+    floor, ceiling = decisions.floor(), decisions.ceiling()
+    print(f"quality: fixture {len(decisions.units)} decisions, floor {floor:,} B, ceiling {ceiling:,} B")
+    for frac in (0.15, 0.4, 0.7):
+        budget = int(floor + frac * (ceiling - floor))
+        s = solve(hulls, budget - decisions.fixed_bytes)
+        fits = [u for u in uniform if u[1] <= budget]
+        print(f"quality: budget {budget:,} B: solver {decisions.fixed_bytes + s.nbytes:,} B, error {s.error:.4g}")
+        for name, nbytes, error in sorted(fits, key=lambda u: u[2])[:4]:
+            verdict = "solver better" if s.error < error else "UNIFORM BETTER"
+            print(f"quality:   uniform {name:<7} {nbytes:>10,} B, error {error:.4g}  ({verdict}, "
+                  f"{error / max(s.error, 1e-30):.2f}x the solver's error)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as d:
+        cost(args.experts, args.threads, Path(d))
+        quality(Path(d), args.threads)
+
+
+if __name__ == "__main__":
+    main()
