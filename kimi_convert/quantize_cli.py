@@ -229,8 +229,6 @@ def target_options(target_size: Optional[str], target_bpw: Optional[str], gpu_bu
 def choose_types(gf, base, imat, target, *, allow_requantize: bool, threads: int, cache):
     from .quant.blocks import default_threads
     from .quant.target.choose import choose
-    if cache is None:
-        note("no OUT.gguf or --emit-policy: the measured errors are not cached")
     return choose(gf, base, target.budget, imat, allow_requantize=allow_requantize, gpu_budget=target.gpu_budget,
                   threads=threads or default_threads(), cache_path=cache,
                   source=str(target.emit_policy or "the chosen policy"), note=note)

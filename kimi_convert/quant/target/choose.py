@@ -55,6 +55,8 @@ def choose(gf: GGUFFile, base: Policy, budget: Budget, imat, *, allow_requantize
            source: str = "chosen policy", note: Callable[[str], None] = lambda s: None) -> Choice:
     decisions, budget_bytes = feasible_decisions(gf, base, budget, imat, allow_requantize=allow_requantize,
                                                  gpu_budget=gpu_budget)
+    if cache_path is None:
+        note("no OUT.gguf or --emit-policy: the measured errors are not cached")
     cache = ErrorCache(cache_path, note)
     vectors: dict[str, np.ndarray | None] = {}
 
@@ -72,7 +74,8 @@ def choose(gf: GGUFFile, base: Policy, budget: Budget, imat, *, allow_requantize
     note(f"error measures: {cache.hits} from the cache, {cache.misses} measured"
          + (f" ({cache_path})" if cache_path is not None else ""))
     solution = split_solve(decisions, hulls, budget_bytes, gpu_budget)
-    return _choice(decisions, hulls, solution, budget, budget_bytes, source, base, allow_requantize)
+    return _choice(decisions, hulls, solution, budget, budget_bytes, source, base, allow_requantize,
+                   f"imatrix {getattr(imat, 'path', '?')}")
 
 
 def _dense(decisions: Decisions) -> Decisions:
@@ -108,7 +111,7 @@ def split_solve(decisions: Decisions, hulls: list, budget_bytes: int, gpu_budget
 
 
 def _choice(decisions: Decisions, hulls, solution: Solution, budget: Budget, budget_bytes: int, source: str,
-            base: Policy, allow_requantize: bool) -> Choice:
+            base: Policy, allow_requantize: bool, imatrix: str) -> Choice:
     chosen: list[Chosen] = []
     lines = []
     for u, h, i in zip(decisions.units, hulls, solution.choice):
@@ -122,7 +125,12 @@ def _choice(decisions: Decisions, hulls, solution: Solution, budget: Budget, bud
         if not held(d, allow_requantize):
             chosen.append(Chosen((d,), d.target, None, f"fixed: {d.why}"))
     nbytes = decisions.fixed_bytes + solution.nbytes
+    dense = _dense(decisions).fixed_bytes + sum(h[i].nbytes for u, h, i in zip(decisions.units, hulls,
+                                                                              solution.choice) if not u.expert)
+    types = sorted({t for u in decisions.units for t in u.candidates}, key=int)
     header = [f"{budget.spelled}: {decimal_size(nbytes)} of {decimal_size(budget_bytes)}",
+              f"non-expert tensors {decimal_size(dense)}, routed experts {decimal_size(nbytes - dense)}",
+              f"candidates: {', '.join(t.name for t in types)}; {imatrix}",
               f"fixed (protected, pinned, no choice): {decimal_size(decisions.fixed_bytes)}; decided: "
               f"{len(decisions.units)} decisions, predicted error {solution.error:.6g}, lambda {solution.lam:.6g}",
               f"base: {base.source}; error measure: imatrix-weighted relative error on sampled rows"]

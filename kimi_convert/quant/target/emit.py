@@ -4,7 +4,8 @@ names), so that `kimi-quantize --policy CHOSEN.toml` plans, and writes, the same
 Every tensor that is not protected is named: the solver's decisions with their measured error and bytes, and
 the tensors it did not decide (a --policy BASE rule's, or those with no other type) with their planned type.
 `default` is the type most of the decided bytes went to: it names the file type (general.file_type) and no
-tensor. `requires` lists what writing it needs, as a shipped preset does.
+tensor. `requires` lists what writing it needs, as a shipped preset does: always the imatrix (the types were
+chosen with it, and the quantizers that read it write other bytes without it).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 from gguf import GGMLQuantizationType as QT
 
-from ..mixtures import FLOAT_TYPES, requires_imatrix
+from ..mixtures import FLOAT_TYPES
 from ..plan import Decision
 from .budget import decimal_size
 
@@ -42,9 +43,7 @@ def policy_text(chosen: list[Chosen], header: list[str]) -> str:
         if c.error is not None:
             decided[c.qtype] = decided.get(c.qtype, 0) + sum(d.target_bytes for d in c.decisions)
     default = max(decided, key=lambda t: (decided[t], -int(t))) if decided else None
-    needs = []
-    if any(requires_imatrix(d.name, c.qtype, None) and c.qtype != d.source for c in chosen for d in c.decisions):
-        needs.append("imatrix")
+    needs = ["imatrix"]     # the types were measured, and are written, with it: without it the bytes differ
     if any(c.qtype != d.source and d.source not in FLOAT_TYPES for c in chosen for d in c.decisions):
         needs.append("allow-requantize")
     lines = [f"# {h}" for h in header]
