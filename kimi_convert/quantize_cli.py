@@ -57,6 +57,7 @@ def list_presets(value: bool) -> None:
 
 @app.command()
 def quantize(
+    ctx: typer.Context,
     src: Path = typer.Argument(..., readable=False, metavar="IN.gguf",
                                help="a kimi-k3 / kimi-k31 GGUF (any part of a split file)"),
     out: Optional[Path] = typer.Argument(None, readable=False, metavar="OUT.gguf",
@@ -114,6 +115,10 @@ def quantize(
     from .paths import Report, refuse_overlap, report_output
     from .quant.driver import plan_file, quantize_file, run_inputs
     started, result = time.time(), None
+    if policy is None and target_size is None and target_bpw is None:
+        # a usage mistake (exit 2), as the required option it was before budgets came
+        from typer._click.exceptions import UsageError
+        raise UsageError("Missing option '--policy' (or a budget: --target-size SIZE / --target-bpw BPW)", ctx)
     try:
         with interrupts_raise(), ExitStack() as held:
             if keep_split and split_max_size is not None:
