@@ -41,7 +41,7 @@ from kimi_convert.quant.driver import plan_file  # noqa: E402
 from kimi_convert.quant.imatrix import load_imatrix  # noqa: E402
 from kimi_convert.quant.policy import parse_policy  # noqa: E402
 from kimi_convert.quant.target.choose import no_base  # noqa: E402
-from kimi_convert.quant.target.measure import EXPERT_ROWS, ErrorCache, unit_errors  # noqa: E402
+from kimi_convert.quant.target.measure import EXPERT_ROWS, ErrorCache, gguf_rows, unit_errors  # noqa: E402
 from kimi_convert.quant.target.solver import Point, lower_hull, solve  # noqa: E402
 from kimi_convert.quant.target.units import Unit, candidates, split_decisions  # noqa: E402
 
@@ -71,7 +71,7 @@ def cost(experts: int, threads: int, tmp: Path) -> None:
     unit = Unit("blk.0.ffn_gate_up_exps", (D,), cands)
     load_kernels((QT.BF16, c, True) for c in cands)      # built (first use) and loaded before the clock starts
     start = time.perf_counter()
-    errors = unit_errors(unit, gf, lambda name: vector, ErrorCache(None), threads)
+    errors = unit_errors(unit, gguf_rows(gf), lambda name: vector, ErrorCache(None), threads)
     seconds = time.perf_counter() - start
     per_expert = seconds / experts
     total = per_expert * K3_EXPERTS * K3_EXPERT_TENSORS
@@ -94,7 +94,7 @@ def quality(tmp: Path, threads: int) -> None:
     plan = plan_file(gf, no_base(), allow_requantize=True, imatrix=True)
     decisions = split_decisions(plan, lambda d: imat.has_vector(d.name, d.shape), allow_requantize=True)
     cache = ErrorCache(None)
-    errors = [unit_errors(u, gf, lambda n, u=u: imat.vector(n, next(d.shape for d in u.decisions if d.name == n)),
+    errors = [unit_errors(u, gguf_rows(gf), lambda n, u=u: imat.vector(n, next(d.shape for d in u.decisions if d.name == n)),
                           cache, threads) for u in decisions.units]
     hulls = [lower_hull([Point(t, u.nbytes(t), e[t]) for t in u.candidates]) for u, e in zip(decisions.units, errors)]
     uniform = []

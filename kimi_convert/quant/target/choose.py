@@ -10,10 +10,11 @@ import numpy as np
 
 from ...gguf_io import GGUFFile
 from ..driver import plan_file
+from ..plan import QuantPlan
 from ..policy import Policy, parse_policy
 from .budget import Budget, BudgetError, check_feasible, decimal_size
 from .emit import Chosen, decided_why, policy_text
-from .measure import ErrorCache, unit_errors
+from .measure import ErrorCache, RowReader, gguf_rows, unit_errors
 from .solver import Point, Solution, lower_hull, solve
 from .units import ROUTED_EXPERTS, Decisions, held, split_decisions
 
@@ -35,10 +36,17 @@ def n_weights(gf: GGUFFile) -> int:
 
 def feasible_decisions(gf: GGUFFile, base: Policy, budget: Budget, imat, *, allow_requantize: bool,
                        gpu_budget: int | None) -> tuple[Decisions, int]:
-    """The decisions and the budget in bytes, after the feasibility checks (headers only, nothing measured)."""
+    """The decisions of file `gf` and the budget in bytes, after the feasibility checks (headers only)."""
     plan = plan_file(gf, base, allow_requantize=allow_requantize, imatrix=True)
+    return check_decisions(plan, n_weights(gf), budget, imat, allow_requantize=allow_requantize,
+                           gpu_budget=gpu_budget)
+
+
+def check_decisions(plan: QuantPlan, weights: int, budget: Budget, imat, *, allow_requantize: bool,
+                    gpu_budget: int | None) -> tuple[Decisions, int]:
+    """The decisions of the BASE `plan` (of a model of `weights` elements) and the budget in bytes, after the
+    feasibility checks: nothing is measured."""
     decisions = split_decisions(plan, lambda d: imat.has_vector(d.name, d.shape), allow_requantize=allow_requantize)
-    weights = n_weights(gf)
     nbytes = budget.nbytes(weights)
     check_feasible(budget, nbytes, decisions.floor(), decisions.ceiling(), weights)
     if gpu_budget is not None:
@@ -53,8 +61,19 @@ def feasible_decisions(gf: GGUFFile, base: Policy, budget: Budget, imat, *, allo
 def choose(gf: GGUFFile, base: Policy, budget: Budget, imat, *, allow_requantize: bool = False,
            gpu_budget: int | None = None, threads: int = 1, cache_path: Path | None = None,
            source: str = "chosen policy", note: Callable[[str], None] = lambda s: None) -> Choice:
+    """The chosen policy for GGUF file `gf` (kimi-quantize)."""
     decisions, budget_bytes = feasible_decisions(gf, base, budget, imat, allow_requantize=allow_requantize,
                                                  gpu_budget=gpu_budget)
+    return choose_decided(decisions, budget_bytes, gguf_rows(gf), base, budget, imat,
+                          allow_requantize=allow_requantize, gpu_budget=gpu_budget, threads=threads,
+                          cache_path=cache_path, source=source, note=note)
+
+
+def choose_decided(decisions: Decisions, budget_bytes: int, rows: RowReader, base: Policy, budget: Budget, imat, *,
+                   allow_requantize: bool, gpu_budget: int | None, threads: int, cache_path: Path | None,
+                   source: str, note: Callable[[str], None]) -> Choice:
+    """Measure, solve and emit, for decisions checked by check_decisions; `rows` reads a tensor's stored rows
+    (from a GGUF, or from the converter's producer in kimi-convert's one pass)."""
     if cache_path is None:
         note("no OUT.gguf or --emit-policy: the measured errors are not cached")
     cache = ErrorCache(cache_path, note)
@@ -67,7 +86,7 @@ def choose(gf: GGUFFile, base: Policy, budget: Budget, imat, *, allow_requantize
         return vectors[name]
     hulls = []
     for u in decisions.units:
-        errors = unit_errors(u, gf, vector, cache, threads)
+        errors = unit_errors(u, rows, vector, cache, threads)
         hulls.append(lower_hull([Point(t, u.nbytes(t), errors[t]) for t in u.candidates]))
         vectors.clear()
     cache.save()

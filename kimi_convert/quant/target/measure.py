@@ -34,6 +34,7 @@ from gguf import GGMLQuantizationType as QT
 from ...gguf_io import GGUFFile
 from ..blocks import dequantize, quantize
 from ..imatrix import expert_slice
+from ..plan import Decision
 from .units import Unit
 
 MEASURE_VERSION = 2
@@ -86,15 +87,29 @@ def sampled_rows(name: str, shape: tuple[int, ...]) -> list[tuple[int, list[int]
     return [(e, [e * rows + offset + i * stride for i in range(k)]) for e in range(n_mats)]
 
 
-def unit_errors(unit: Unit, gf: GGUFFile, vectors: Callable[[str], np.ndarray | None], cache: ErrorCache,
+# (tensor's decision, sorted row numbers counted over the whole tensor) -> those rows as stored, one array each
+RowReader = Callable[[Decision, list[list[int]]], list[np.ndarray]]
+
+
+def gguf_rows(gf: GGUFFile) -> RowReader:
+    """Rows read from a GGUF file, each with one pread."""
+    def read(d: Decision, groups: list[list[int]]) -> list[np.ndarray]:
+        t = gf.tensors[d.name]
+        buf = np.empty(t.row_nbytes, np.uint8)
+        return [np.concatenate([np.array(t.read_rows(r, r + 1, buf)) for r in rows]) for rows in groups]
+    return read
+
+
+def unit_errors(unit: Unit, read_rows: RowReader, vectors: Callable[[str], np.ndarray | None], cache: ErrorCache,
                 threads: int) -> dict[QT, float]:
     """The error of each of `unit`'s candidates (keeping the stored type: 0)."""
     errors = {t: 0.0 for t in unit.candidates}
     for d in unit.decisions:
-        t = gf.tensors[d.name]
         vector = vectors(d.name)
-        samples = [(_read(t, rows), None if vector is None else expert_slice(vector, d.shape, e))
-                   for e, rows in sampled_rows(d.name, d.shape)]
+        picked = sampled_rows(d.name, d.shape)
+        stored = read_rows(d, [rows for _, rows in picked])
+        samples = [(rows, None if vector is None else expert_slice(vector, d.shape, e))
+                   for (e, _), rows in zip(picked, stored)]
         n_rows = int(np.prod(d.shape[:-1], dtype=np.int64))
         digest = _digest(d.name, samples)
         todo = [qt for qt in unit.candidates if qt != d.source and f"{digest}:{qt.name}" not in cache.entries]
@@ -110,11 +125,6 @@ def unit_errors(unit: Unit, gf: GGUFFile, vectors: Callable[[str], np.ndarray | 
 @lru_cache(maxsize=None)
 def _pool(threads: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max(1, threads), thread_name_prefix="kimi-target")
-
-
-def _read(t, rows: list[int]) -> np.ndarray:
-    buf = np.empty(t.row_nbytes, np.uint8)
-    return np.concatenate([np.array(t.read_rows(r, r + 1, buf)) for r in rows])
 
 
 def _digest(name: str, samples) -> str:
