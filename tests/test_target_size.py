@@ -149,22 +149,45 @@ def test_cache_makes_a_second_budget_measure_nothing(solve_at, bounds):
     assert any(" 0 measured" in n for n in notes), notes
 
 
-def test_cli_writes_budget_and_policy_that_round_trips(src, imatrix, tmp_path, solve_at, bounds):
-    """One target run (fresh cache, --threads 2), then --policy CHOSEN.toml: identical bytes; the choice equals
-    the in-process one at 1 thread with the shared cache."""
+@pytest.fixture(scope="module")
+def target_run(src, imatrix, work, bounds):
+    """One kimi-quantize --target-size run (fresh cache, --threads 2): (OUT, the budget, CHOSEN.toml)."""
     floor, ceiling, _ = bounds
     budget = str((floor + 2 * ceiling) // 3)
-    out, again, chosen = tmp_path / "t.gguf", tmp_path / "p.gguf", tmp_path / "chosen.toml"
+    out, chosen = work / "t.gguf", work / "chosen.toml"
     r = quantize(src, out, "--target-size", budget, "--imatrix", imatrix, "--allow-requantize", "--threads", "2",
                  "--emit-policy", chosen)
     assert r.returncode == 0, r.stderr
-    assert (tmp_path / "t.gguf.errors.json").is_file()
-    written = sum(t.nbytes for t in open_gguf(out).tensors.values())
-    assert written <= int(budget)
+    return out, budget, chosen
+
+
+def test_cli_writes_budget_and_policy_that_round_trips(target_run, src, imatrix, tmp_path, solve_at):
+    """--policy CHOSEN.toml: identical bytes; the choice (2 threads, fresh cache) equals the in-process one at
+    1 thread with the shared cache."""
+    out, budget, chosen = target_run
+    assert Path(f"{out}.errors.json").is_file()
+    assert sum(t.nbytes for t in open_gguf(out).tensors.values()) <= int(budget)
     assert chosen.read_text() == solve_at(budget, source=str(chosen)).text
+    again = tmp_path / "p.gguf"
     r = quantize(src, again, "--policy", chosen, "--imatrix", imatrix, "--allow-requantize")
     assert r.returncode == 0, r.stderr
     assert out.read_bytes() == again.read_bytes()
+
+
+def test_one_pass_equals_convert_then_quantize(k3_dir, target_run, imatrix, tmp_path):
+    """kimi-convert --target-size: the same file and policy as kimi-convert, then kimi-quantize --target-size.
+    Its cache starts as a copy of the quantize run's: that nothing is measured shows the rows cut from the
+    converter's producers are the converted file's, byte for byte."""
+    out, budget, chosen = target_run
+    one, one_policy = tmp_path / "one.gguf", tmp_path / "one.toml"
+    (tmp_path / "one.gguf.errors.json").write_bytes(Path(f"{out}.errors.json").read_bytes())
+    r = subprocess.run([sys.executable, "-c", "from kimi_convert.cli import convert_main\nconvert_main()\n",
+                        k3_dir, one, "--target-size", budget, "--imatrix", imatrix, "--allow-requantize",
+                        "--emit-policy", one_policy], capture_output=True, text=True, env=CLI_ENV, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert " 0 measured" in r.stderr
+    assert one.read_bytes() == out.read_bytes()
+    assert one_policy.read_text() == chosen.read_text()
 
 
 def test_dry_run_solves_and_prints_without_writing(src, imatrix, tmp_path, work, solve_at):
