@@ -40,7 +40,8 @@ from kimi_convert.quant.blocks import load_kernels  # noqa: E402
 from kimi_convert.quant.driver import plan_file  # noqa: E402
 from kimi_convert.quant.imatrix import load_imatrix  # noqa: E402
 from kimi_convert.quant.policy import parse_policy  # noqa: E402
-from kimi_convert.quant.target.choose import no_base  # noqa: E402
+from kimi_convert.quant.target.budget import parse_budget  # noqa: E402
+from kimi_convert.quant.target.choose import choose, no_base  # noqa: E402
 from kimi_convert.quant.target.measure import EXPERT_ROWS, ErrorCache, gguf_rows, unit_errors  # noqa: E402
 from kimi_convert.quant.target.solver import Point, lower_hull, solve  # noqa: E402
 from kimi_convert.quant.target.units import Unit, candidates, split_decisions  # noqa: E402
@@ -84,7 +85,38 @@ def cost(experts: int, threads: int, tmp: Path) -> None:
     print("cost: errors " + ", ".join(f"{q.name} {e:.3g}" for q, e in errors.items()))
 
 
-def quality(tmp: Path, threads: int) -> None:
+def kl_figures(src: Path, files: dict[str, Path], sequences: int, length: int) -> None:
+    """Mean KL, 99th-percentile KL and argmax agreement of each file's logits (our runtime) against the
+    unquantized file's, over `sequences` random token sequences of `length` (kimi-verify's token_sequence with
+    seeds 0..n-1); the solver's paired difference per sequence with its standard error, since positions of one
+    sequence are not independent."""
+    from kimi_convert.runtime import Runtime
+    from kimi_convert.verify import kl_div, token_sequence
+    gf = open_gguf(src)
+    seqs = [token_sequence(gf, length, seed=i) for i in range(sequences)]
+    ref = [np.asarray(Runtime(src).logits(ids), np.float64) for ids in seqs]
+    per_seq = {}
+    for name, path in files.items():
+        rt = Runtime(path)
+        kls, agree = [], 0
+        for ids, r in zip(seqs, ref):
+            run = np.asarray(rt.logits(ids), np.float64)
+            kls.append(kl_div(r, run))
+            agree += int((run.argmax(-1) == r.argmax(-1)).sum())
+        allk = np.concatenate(kls)
+        per_seq[name] = np.array([k.mean() for k in kls])
+        print(f"kl:   {name:<18} mean KL {allk.mean():.4g}, p99 {np.percentile(allk, 99):.4g}, argmax "
+              f"{agree}/{allk.size}")
+    solver = per_seq.pop("solver")
+    for name, v in per_seq.items():
+        d = solver - v
+        se = d.std(ddof=1) / np.sqrt(len(d))
+        verdict = ("solver lower" if d.mean() + 2 * se < 0 else "solver HIGHER" if d.mean() - 2 * se > 0
+                   else "within 2 standard errors")
+        print(f"kl:   solver - {name}: {d.mean():+.4g} +- {2 * se:.2g} (2 s.e., {len(d)} sequences): {verdict}")
+
+
+def quality(tmp: Path, threads: int, sequences: int = 16, length: int = 32) -> None:
     hf = make_checkpoint(tmp / "k3", arch="k3")
     src = tmp / "k3.gguf"
     convert(build_plan(hf, "bf16"), src)
@@ -94,8 +126,8 @@ def quality(tmp: Path, threads: int) -> None:
     plan = plan_file(gf, no_base(), allow_requantize=True, imatrix=True)
     decisions = split_decisions(plan, lambda d: imat.has_vector(d.name, d.shape), allow_requantize=True)
     cache = ErrorCache(None)
-    errors = [unit_errors(u, gguf_rows(gf), lambda n, u=u: imat.vector(n, next(d.shape for d in u.decisions if d.name == n)),
-                          cache, threads) for u in decisions.units]
+    errors = [unit_errors(u, gguf_rows(gf), lambda n, u=u: imat.vector(n, _shape(u, n)), cache, threads)
+              for u in decisions.units]
     hulls = [lower_hull([Point(t, u.nbytes(t), e[t]) for t in u.candidates]) for u, e in zip(decisions.units, errors)]
     uniform = []
     for t in sorted({t for u in decisions.units for t in u.candidates}, key=int):
@@ -124,16 +156,37 @@ def quality(tmp: Path, threads: int) -> None:
             verdict = "solver better" if s.error < error else "UNIFORM BETTER"
             print(f"quality:   uniform {name:<7} {nbytes:>10,} B, error {error:.4g}  ({verdict}, "
                   f"{error / max(s.error, 1e-30):.2f}x the solver's error)")
+        files = {"solver": _write(gf, src, imat, choose(gf, no_base(), parse_budget(str(budget), None), imat,
+                                                        allow_requantize=True, threads=threads).policy,
+                                  tmp / f"solver-{frac}.gguf")}
+        for name, _, _ in sorted(fits, key=lambda u: u[2])[:2]:
+            files[f"uniform {name}"] = _write(gf, src, imat, parse_policy(f'default = "{name}"\n', name),
+                                             tmp / f"{name}-{frac}.gguf")
+        kl_figures(src, files, sequences, length)
+
+
+def _write(gf, src: Path, imat, policy, out: Path) -> Path:
+    from kimi_convert.quant.driver import quantize_file
+    quantize_file(src, out, policy, imatrix=imat, allow_requantize=True)
+    return out
+
+
+def _shape(u: Unit, name: str) -> tuple[int, ...]:
+    return next(d.shape for d in u.decisions if d.name == name)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--sequences", type=int, default=16, help="token sequences for the KL figures")
+    ap.add_argument("--length", type=int, default=32, help="tokens per sequence")
+    ap.add_argument("--skip-cost", action="store_true")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
-        cost(args.experts, args.threads, Path(d))
-        quality(Path(d), args.threads)
+        if not args.skip_cost:
+            cost(args.experts, args.threads, Path(d))
+        quality(Path(d), args.threads, args.sequences, args.length)
 
 
 if __name__ == "__main__":
