@@ -8,10 +8,11 @@ the solver's choice compares with uniform policies of at most the same size on a
    data, `--experts` of them instead of 896: the measure samples EXPERT_ROWS rows of every expert, so its time
    is per expert), measured for every candidate type, as `--target-size` does; the time per expert and the peak
    RSS are printed and extrapolated to K3's 276 expert tensors of 896 experts.
-2. quality: the tiny K3 fixture with its experts free (--allow-requantize), at three budgets between the floor
-   and the ceiling: the solver's total error (the measure: imatrix-weighted relative error summed over rows)
-   against every uniform policy (`default = "T"`, llama-quantize's shape fallbacks applied) whose bytes are at
-   most the budget. Random weights make every tensor about equally sensitive, so this shows that the solver
+2. quality: the tiny K3 fixture with its experts free (--allow-requantize), at three budgets (two low in the
+   range, and the smallest shipped preset's size): the solver's total error (the measure: imatrix-weighted
+   relative error summed over rows) against every uniform policy (`default = "T"`, llama-quantize's shape
+   fallbacks applied) and every shipped preset whose bytes are at most the budget; then, for the solver and the
+   two best of those, the KL divergence of our runtime's logits against the unquantized file's. Random weights make every tensor about equally sensitive, so this shows that the solver
    spends bytes where the measure says they buy the most; it does not show what a real model's KL divergence
    does (docs/policy.md, "Choosing types for a size").
 """
@@ -35,11 +36,11 @@ from gguf import GGUFWriter  # noqa: E402
 from kimi_convert.convert import build_plan, convert  # noqa: E402
 from kimi_convert.fixtures.imatrix import k3_entries, write_gguf_imatrix  # noqa: E402
 from kimi_convert.fixtures.make_checkpoint import make_checkpoint  # noqa: E402
-from kimi_convert.gguf_io import open_gguf  # noqa: E402
-from kimi_convert.quant.blocks import load_kernels  # noqa: E402
+from kimi_convert.gguf_io import QUANT_SIZES, open_gguf  # noqa: E402
+from kimi_convert.quant.blocks import load_kernels, supported_types  # noqa: E402
 from kimi_convert.quant.driver import plan_file  # noqa: E402
 from kimi_convert.quant.imatrix import load_imatrix  # noqa: E402
-from kimi_convert.quant.policy import parse_policy  # noqa: E402
+from kimi_convert.quant.policy import load_policy, parse_policy, preset_names  # noqa: E402
 from kimi_convert.quant.target.budget import parse_budget  # noqa: E402
 from kimi_convert.quant.target.choose import choose, no_base  # noqa: E402
 from kimi_convert.quant.target.measure import EXPERT_ROWS, ErrorCache, gguf_rows, unit_errors  # noqa: E402
@@ -125,43 +126,50 @@ def quality(tmp: Path, threads: int, sequences: int = 16, length: int = 32) -> N
     imat = load_imatrix(imat_path)
     plan = plan_file(gf, no_base(), allow_requantize=True, imatrix=True)
     decisions = split_decisions(plan, lambda d: imat.has_vector(d.name, d.shape), allow_requantize=True)
-    cache = ErrorCache(None)
-    errors = [unit_errors(u, gguf_rows(gf), lambda n, u=u: imat.vector(n, _shape(u, n)), cache, threads)
-              for u in decisions.units]
-    hulls = [lower_hull([Point(t, u.nbytes(t), e[t]) for t in u.candidates]) for u, e in zip(decisions.units, errors)]
+    # every free tensor measured alone for every type its rows fit (larger ones too: a preset may choose them),
+    # a decision's error then the sum over its tensors
+    cache, per_tensor = ErrorCache(None), {}
+    for u in decisions.units:
+        for d in u.decisions:
+            fitting = tuple(t for t in supported_types() if t == d.source or not d.shape[-1] % QUANT_SIZES[t][0])
+            per_tensor[d.name] = unit_errors(Unit(d.name, (d,), fitting), gguf_rows(gf),
+                                             lambda n, d=d: imat.vector(n, d.shape), cache, threads)
+    hulls = [lower_hull([Point(t, u.nbytes(t), sum(per_tensor[d.name][t] for d in u.decisions))
+                         for t in u.candidates]) for u in decisions.units]
     uniform = []
-    for t in sorted({t for u in decisions.units for t in u.candidates}, key=int):
-        pol = parse_policy(f'default = "{t.name}"\n', f"uniform {t.name}")
+    policies = [(f"uniform {t.name}", parse_policy(f'default = "{t.name}"\n', f"uniform {t.name}"))
+                for t in sorted({t for u in decisions.units for t in u.candidates}, key=int)]
+    policies += [(f"preset {n}", load_policy(n)) for n in preset_names()]
+    for label, pol in policies:
         try:
-            targets = {d.name: d.target for d in plan_file(gf, pol, allow_requantize=True, imatrix=True).decisions}
+            planned = plan_file(gf, pol, allow_requantize=True, imatrix=True)
         except Exception as e:      # a type with no fallback for some row length
-            print(f"quality: uniform {t.name}: cannot plan ({e})")
+            print(f"quality: {label}: cannot plan ({e})")
             continue
-        nbytes, error = decisions.fixed_bytes, 0.0
-        for u, e in zip(decisions.units, errors):
-            q = targets[u.decisions[0].name]
-            if q not in e:          # a fallback that is no candidate here (F16 of a BF16 tensor): kept
-                q = u.source
-            nbytes += u.nbytes(q)
-            error += e[q]
-        uniform.append((t.name, nbytes, error))
+        # the error over the solver's free tensors (what a policy does to a fixed one is not counted)
+        error = sum(per_tensor[d.name][d.target] for d in planned.decisions if d.name in per_tensor)
+        uniform.append((label, planned.target_bytes, error, pol))
     floor, ceiling = decisions.floor(), decisions.ceiling()
     print(f"quality: fixture {len(decisions.units)} decisions, floor {floor:,} B, ceiling {ceiling:,} B")
-    for frac in (0.15, 0.4, 0.7):
-        budget = int(floor + frac * (ceiling - floor))
+    for name, nbytes, error, _ in uniform:
+        print(f"quality:   {name:<16} {nbytes:>10,} B, error {error:.4g}")
+    # two budgets low in the range, and the smallest shipped preset's size (at most the ceiling): a preset then
+    # competes at equal size (with the MXFP4 experts re-quantized, the others are larger than keeping them)
+    presets = min(ceiling, min(nbytes for name, nbytes, _, _ in uniform if name.startswith("preset ")))
+    for frac, budget in ((0.15, int(floor + 0.15 * (ceiling - floor))), (0.4, int(floor + 0.4 * (ceiling - floor))),
+                         ("presets", presets)):
         s = solve(hulls, budget - decisions.fixed_bytes)
         fits = [u for u in uniform if u[1] <= budget]
         print(f"quality: budget {budget:,} B: solver {decisions.fixed_bytes + s.nbytes:,} B, error {s.error:.4g}")
-        for name, nbytes, error in sorted(fits, key=lambda u: u[2])[:4]:
-            verdict = "solver better" if s.error < error else "UNIFORM BETTER"
-            print(f"quality:   uniform {name:<7} {nbytes:>10,} B, error {error:.4g}  ({verdict}, "
+        for name, nbytes, error, _ in sorted(fits, key=lambda u: u[2])[:4]:
+            verdict = "solver better" if s.error < error else "SOLVER WORSE"
+            print(f"quality:   {name:<16} {nbytes:>10,} B, error {error:.4g}  ({verdict}, "
                   f"{error / max(s.error, 1e-30):.2f}x the solver's error)")
         files = {"solver": _write(gf, src, imat, choose(gf, no_base(), parse_budget(str(budget), None), imat,
                                                         allow_requantize=True, threads=threads).policy,
                                   tmp / f"solver-{frac}.gguf")}
-        for name, _, _ in sorted(fits, key=lambda u: u[2])[:2]:
-            files[f"uniform {name}"] = _write(gf, src, imat, parse_policy(f'default = "{name}"\n', name),
-                                             tmp / f"{name}-{frac}.gguf")
+        for name, _, _, pol in sorted(fits, key=lambda u: u[2])[:2]:
+            files[name] = _write(gf, src, imat, pol, tmp / f"{name.replace(' ', '-')}-{frac}.gguf")
         kl_figures(src, files, sequences, length)
 
 
@@ -169,10 +177,6 @@ def _write(gf, src: Path, imat, policy, out: Path) -> Path:
     from kimi_convert.quant.driver import quantize_file
     quantize_file(src, out, policy, imatrix=imat, allow_requantize=True)
     return out
-
-
-def _shape(u: Unit, name: str) -> tuple[int, ...]:
-    return next(d.shape for d in u.decisions if d.name == name)
 
 
 def main() -> None:
