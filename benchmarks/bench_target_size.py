@@ -2,7 +2,8 @@
 """--target-size (quant/target) measured (not a test): what the error measure costs at K3's real width, and how
 the solver's choice compares with uniform policies of at most the same size on a fixture.
 
-    python benchmarks/bench_target_size.py [--experts 8] [--threads 1]
+    python benchmarks/bench_target_size.py [--experts 8] [--threads 1] [--sequences 16] [--length 32]
+                                           [--skip-cost]
 
 1. cost: one stacked expert tensor at K3's real width (rows of 3584 values, 3072 rows per expert, random BF16
    data, `--experts` of them instead of 896: the measure samples EXPERT_ROWS rows of every expert, so its time
@@ -12,9 +13,10 @@ the solver's choice compares with uniform policies of at most the same size on a
    range, and the smallest shipped preset's size): the solver's total error (the measure: imatrix-weighted
    relative error summed over rows) against every uniform policy (`default = "T"`, llama-quantize's shape
    fallbacks applied) and every shipped preset whose bytes are at most the budget; then, for the solver and the
-   two best of those, the KL divergence of our runtime's logits against the unquantized file's. Random weights make every tensor about equally sensitive, so this shows that the solver
-   spends bytes where the measure says they buy the most; it does not show what a real model's KL divergence
-   does (docs/policy.md, "Choosing types for a size").
+   two best of those, the KL divergence of our runtime's logits against the unquantized file's. Random
+   weights make every tensor about equally sensitive, so this shows that the solver spends bytes where the
+   measure says they buy the most; it does not show what a real model's KL divergence does (docs/policy.md,
+   "Choosing types for a size").
 """
 from __future__ import annotations
 

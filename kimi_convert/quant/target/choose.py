@@ -89,7 +89,7 @@ def choose_decided(decisions: Decisions, budget_bytes: int, rows: RowReader, bas
         errors = unit_errors(u, rows, vector, cache, threads)
         hulls.append(lower_hull([Point(t, u.nbytes(t), errors[t]) for t in u.candidates]))
         vectors.clear()
-    cache.save()
+    cache.save(note)
     note(f"error measures: {cache.hits} from the cache, {cache.misses} measured"
          + (f" ({cache_path})" if cache_path is not None else ""))
     solution = split_solve(decisions, hulls, budget_bytes, gpu_budget)

@@ -13,9 +13,11 @@ rows, so a big tensor weighs more than a small one), and a decision's the sum ov
 Rows: at least TENSOR_ROWS per tensor and EXPERT_ROWS per matrix (every expert of a stacked tensor is sampled),
 evenly strided from an offset seeded by the tensor's name (the same rows every run). The candidates of a tensor
 are measured on `threads` threads at once (one candidate each; the kernels drop the GIL); each candidate's sum
-is taken in the same order whatever the thread count, so the errors do not depend on it. Results are cached in a JSON file beside the output, keyed by
-a hash of the sampled rows' stored bytes, the imatrix values they are quantized with, the type and this
-module's MEASURE_VERSION: a second budget on the same model and imatrix reads the samples and quantizes nothing.
+is taken in the same order whatever the thread count, so the errors do not depend on it.
+
+Results are cached in a JSON file beside the output, keyed by a hash of the sampled rows' stored bytes, the
+imatrix values they are quantized with, the type and this module's MEASURE_VERSION: a second budget on the
+same model and imatrix reads the samples and quantizes nothing.
 """
 from __future__ import annotations
 
@@ -63,7 +65,8 @@ class ErrorCache:
         self.entries[key] = value = float(compute())
         return value
 
-    def save(self) -> None:
+    def save(self, note: Callable[[str], None] = lambda s: None) -> None:
+        """Under a temporary name, then renamed; a cache that cannot be written is said, not an error."""
         if self.path is None or not self.misses:
             return
         tmp = self.path.with_name(f".{self.path.name}.partial-{os.getpid()}")
@@ -73,6 +76,8 @@ class ErrorCache:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, self.path)
+        except OSError as e:
+            note(f"{self.path}: cannot write the error cache ({e.strerror or e}); the next run measures again")
         finally:
             tmp.unlink(missing_ok=True)
 
