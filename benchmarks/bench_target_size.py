@@ -5,8 +5,8 @@ the solver's choice compares with uniform policies of at most the same size on a
     python benchmarks/bench_target_size.py [--experts 8] [--threads 1] [--sequences 16] [--length 32]
                                            [--skip-cost]
 
-1. cost: one stacked expert tensor at K3's real width (rows of 3584 values, 3072 rows per expert, random BF16
-   data, `--experts` of them instead of 896: the measure samples EXPERT_ROWS rows of every expert, so its time
+1. cost: one stacked expert tensor at K3's real width (rows of 3584 values, 3072 rows per expert, random
+   values stored as MXFP4 as K3's are, or BF16 with --source bf16, `--experts` of them instead of 896: the measure samples EXPERT_ROWS rows of every expert, so its time
    is per expert), measured for every candidate type, as `--target-size` does; the time per expert and the peak
    RSS are printed and extrapolated to K3's 276 expert tensors of 896 experts.
 2. quality: the tiny K3 fixture with its experts free (--allow-requantize), at three budgets (two low in the
@@ -52,18 +52,23 @@ from kimi_convert.quant.target.units import Unit, candidates, split_decisions  #
 K3_EXPERT_TENSORS, K3_EXPERTS, ROW, ROWS = 276, 896, 3584, 3072
 
 
-def cost(experts: int, threads: int, tmp: Path) -> None:
+def cost(experts: int, threads: int, tmp: Path, source: str) -> None:
     path = tmp / "wide.gguf"
     rng = np.random.default_rng(0)
     w = GGUFWriter(path, "kimi-k3")
     data = (rng.standard_normal((experts, ROWS, ROW), dtype=np.float32) * 0.02)
-    bf16 = (data.view(np.uint32) >> 16).astype(np.uint16)
-    w.add_tensor("blk.0.ffn_gate_exps.weight", bf16, raw_shape=(experts, ROWS, ROW), raw_dtype=QT.BF16)
+    if source == "mxfp4":       # K3's experts, re-quantized under --allow-requantize: MXFP4 blocks of random values
+        from kimi_convert.quant.blocks import quantize
+        raw = quantize(data.reshape(-1, ROW), QT.MXFP4, threads=threads).reshape(experts, ROWS, -1)
+        w.add_tensor("blk.0.ffn_gate_exps.weight", raw, raw_shape=raw.shape, raw_dtype=QT.MXFP4)
+    else:
+        bf16 = (data.view(np.uint32) >> 16).astype(np.uint16)
+        w.add_tensor("blk.0.ffn_gate_exps.weight", bf16, raw_shape=(experts, ROWS, ROW), raw_dtype=QT.BF16)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    del data, bf16
+    del data
     gf = open_gguf(path)
     t = gf.tensors["blk.0.ffn_gate_exps.weight"]
     vector = rng.chisquare(3, experts * ROW).astype(np.float32)
@@ -71,9 +76,9 @@ def cost(experts: int, threads: int, tmp: Path) -> None:
     class D:        # what units.candidates and measure read of a plan decision
         name, shape, source = t.name, t.shape, t.qtype
         source_bytes = t.nbytes
-    cands = candidates([D], lambda d: True, False)
+    cands = candidates([D], lambda d: True, True)
     unit = Unit("blk.0.ffn_gate_up_exps", (D,), cands)
-    load_kernels((QT.BF16, c, True) for c in cands)      # built (first use) and loaded before the clock starts
+    load_kernels((t.qtype, c, True) for c in cands)      # built (first use) and loaded before the clock starts
     start = time.perf_counter()
     errors = unit_errors(unit, gguf_rows(gf), lambda name: vector, ErrorCache(None), threads)
     seconds = time.perf_counter() - start
@@ -188,11 +193,15 @@ def main() -> None:
     ap.add_argument("--sequences", type=int, default=16, help="token sequences for the KL figures")
     ap.add_argument("--length", type=int, default=32, help="tokens per sequence")
     ap.add_argument("--skip-cost", action="store_true")
+    ap.add_argument("--skip-quality", action="store_true")
+    ap.add_argument("--source", choices=("mxfp4", "bf16"), default="mxfp4",
+                    help="the expert tensor's stored type (K3's: MXFP4; its candidates are the smaller types)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
         if not args.skip_cost:
-            cost(args.experts, args.threads, Path(d))
-        quality(Path(d), args.threads, args.sequences, args.length)
+            cost(args.experts, args.threads, Path(d), args.source)
+        if not args.skip_quality:
+            quality(Path(d), args.threads, args.sequences, args.length)
 
 
 if __name__ == "__main__":
