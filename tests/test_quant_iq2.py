@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from kimi_convert.interop import ggml_quants as ggml
+from kimi_interop import ggml_quants as ggml
 from kimi_convert.quant import quantize, row_size
 from kimi_convert.quant.blocks import block_type
 from kimi_convert.quant.kernels.common import make_qp_quants

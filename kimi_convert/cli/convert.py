@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, closing
 from pathlib import Path
 from typing import List, Optional
 
@@ -45,6 +45,15 @@ def convert(
                                           help="with --policy: let rules re-quantize the MXFP4 experts"),
     strict: bool = typer.Option(False, "--strict", help="with --policy: a rule that names a protected tensor "
                                 "is an error"),
+    target_size: Optional[str] = typer.Option(None, "--target-size", metavar="SIZE",
+                                              help="quantize in the same pass to fit SIZE, as kimi-quantize "
+                                              "--target-size would the converted file (--policy: the BASE)"),
+    target_bpw: Optional[str] = typer.Option(None, "--target-bpw", metavar="BPW",
+                                             help="the same budget in bits per weight"),
+    gpu_budget: Optional[str] = typer.Option(None, "--gpu-budget", metavar="SIZE",
+                                             help="with a budget: the non-expert tensors fit SIZE"),
+    emit_policy: Optional[Path] = typer.Option(None, "--emit-policy", readable=False, metavar="CHOSEN.toml",
+                                               help="with a budget: write the chosen types as a policy file"),
     _debug: bool = debug_option(),
 ):
     """Convert a Kimi-K3 / K3.1-Pro HF checkpoint to GGUF in one streaming pass (quantized with --policy).
@@ -59,7 +68,7 @@ def convert(
     """
     from ..convert.converter import build_plan, convert as run, plan_policy, run_inputs
     from ..gguf_io import check_split_max_size, output_lock, written_paths
-    from ..paths import refuse_overlap
+    from ..paths import Report, refuse_overlap
     started, result, one = time.time(), None, None
     try:
         with interrupts_raise(), ExitStack() as held:
@@ -68,9 +77,14 @@ def convert(
                 max_size = parse_size(split_max_size)
                 check_split_max_size(max_size, split_max_size)
             check_count(split_max_tensors, "--split-max-tensors", 0)
+            from .policy_options import target_options
+            target = target_options(target_size, target_bpw, gpu_budget, emit_policy, imatrix, policy)
             quant_options = _policy_options(policy, tensor_type, tensor_type_file, imatrix, allow_requantize,
-                                            strict, dry_run)      # policy and imatrix errors come first
-            refuse_overlap(run_inputs(hf_dir, *(quant_options or ())), written_paths(out))
+                                            strict, dry_run, target is not None)    # their errors come first
+            refuse_overlap(run_inputs(hf_dir, *(quant_options or ())),
+                           [*written_paths(out), *(target.outputs(out) if target else [])])
+            emitted = (held.enter_context(closing(Report(emit_policy, force, "--emit-policy")))
+                       if emit_policy is not None else None)
             if not dry_run:             # a second run into OUT refuses before reading 96 shard headers
                 held.enter_context(output_lock(out))
             reading(hf_dir)
@@ -78,6 +92,9 @@ def convert(
             if quant_options is not None:
                 from .policy_options import report_decisions, report_write_blockers
                 pol, imat = quant_options
+                if target is not None:
+                    choice = choose_in_pass(plan, pol, imat, target, out, allow_requantize=allow_requantize)
+                    pol = choice.policy
                 one = plan_policy(plan, pol, imatrix=imat, allow_requantize=allow_requantize, strict=strict)
                 report_decisions(one.plan, imat)
                 for line in one.notes:
@@ -85,6 +102,8 @@ def convert(
                 if dry_run:
                     report_write_blockers(one.plan, imat)
             if dry_run:
+                if emitted:
+                    emitted.deliver(choice.text)
                 return dry_run_plan(plan, out, split_max_tensors, max_size, force, one)
             total = plan.total_bytes if one is None else sum(one.sizes)
             console.print(f"{plan.config.arch}: {len(plan.tensors)} tensors, {human(total)} -> {out}"
@@ -92,6 +111,8 @@ def convert(
             with progress_bar(total) as advance:
                 result = run(plan, out, split_max_tensors=split_max_tensors, split_max_size=max_size,
                              force=force, on_bytes=advance, log=note, quant=one, resume=resume)
+            if emitted:             # after OUT: a failed run leaves no policy of a file that is not there
+                emitted.deliver(choice.text)
     except KimiError as e:
         fail(e)
     except Interrupted as e:
@@ -99,9 +120,32 @@ def convert(
     print_result(result, one)
 
 
-def _policy_options(policy, tensor_type, tensor_type_file, imatrix, allow_requantize, strict, dry_run):
-    """(policy, imatrix) read as kimi-quantize reads them, or None without --policy (its options then refused)."""
-    if policy is None:
+def choose_in_pass(plan, base, imat, target, out: Path, *, allow_requantize: bool):
+    """--target-size in the one pass: kimi-quantize's choice for the converted file, its rows cut from the
+    converter's own producers (quant.target.streamed)."""
+    from ..convert.converter import plan_policy, producers
+    from ..quant.blocks import default_threads
+    from ..quant.target.choose import check_decisions, choose_decided
+    from ..quant.target.streamed import producer_rows
+    import numpy as np
+    base_plan = plan_policy(plan, base, imatrix=imat, allow_requantize=allow_requantize).plan
+    weights = sum(int(np.prod(t.shape, dtype=np.int64)) for t in plan.tensors)
+    decisions, budget_bytes = check_decisions(base_plan, weights, target.budget, imat,
+                                              allow_requantize=allow_requantize, gpu_budget=target.gpu_budget)
+    choice = choose_decided(decisions, budget_bytes, producer_rows(producers(plan)), base, target.budget, imat,
+                            allow_requantize=allow_requantize, gpu_budget=target.gpu_budget,
+                            threads=default_threads(), cache_path=target.cache_path(out),
+                            source=str(target.emit_policy or "the chosen policy"), note=note)
+    from .policy_options import print_choice
+    print_choice(choice, False)
+    return choice
+
+
+def _policy_options(policy, tensor_type, tensor_type_file, imatrix, allow_requantize, strict, dry_run,
+                    budget: bool = False):
+    """(policy, imatrix) read as kimi-quantize reads them, or None without --policy (its options then refused);
+    `budget`: a --target-size / --target-bpw run, whose --policy is an optional BASE."""
+    if policy is None and not budget:
         given = [flag for flag, value in (("--imatrix", imatrix), ("--tensor-type", tensor_type),
                                           ("--tensor-type-file", tensor_type_file),
                                           ("--allow-requantize", allow_requantize), ("--strict", strict)) if value]
@@ -110,7 +154,7 @@ def _policy_options(policy, tensor_type, tensor_type_file, imatrix, allow_requan
         return None
     from .policy_options import load_policy_options
     return load_policy_options(policy, tensor_type, tensor_type_file, imatrix, allow_requantize=allow_requantize,
-                               plan_only=dry_run)
+                               plan_only=dry_run, base=budget)
 
 
 def dry_run_plan(plan, out: Path, split_max_tensors: int, split_max_size: int, force: bool, one=None) -> None:

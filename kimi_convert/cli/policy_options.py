@@ -8,16 +8,26 @@ from typing import List, Optional
 from rich.markup import escape
 from rich.table import Table
 
-from .common import console, human, note, output, reading
+from ..errors import KimiError
+from .common import console, human, note, output, parse_size, reading
 
 
-def load_policy_options(policy: str, tensor_type: List[str], tensor_type_file: List[Path], imatrix: Optional[Path],
-                        *, allow_requantize: bool, plan_only: bool):
+def load_policy_options(policy: Optional[str], tensor_type: List[str], tensor_type_file: List[Path],
+                        imatrix: Optional[Path], *, allow_requantize: bool, plan_only: bool, base: bool = False):
     """(policy, imatrix or None) from --policy, --tensor-type, --tensor-type-file and --imatrix, with the policy's
-    requirements checked: kimi-quantize and kimi-convert --policy read them alike, before any heavy work."""
+    requirements checked: kimi-quantize and kimi-convert --policy read them alike, before any heavy work.
+    `base`: the policy is a budget's BASE (quant.target), and may be absent (no tensor pinned)."""
     from ..quant.policy import load_policy, tensor_type_rules
-    reading(policy)         # and its --tensor-type rules
-    pol = load_policy(policy).with_tensor_types(tensor_type_rules(tensor_type, tensor_type_file), tensor_type_file)
+    if policy is None:
+        if not base:
+            raise KimiError("give --policy POLICY (a file or preset: --list-presets), or a budget: "
+                            "--target-size SIZE / --target-bpw BPW")
+        from ..quant.target.choose import no_base
+        pol = no_base()
+    else:
+        reading(policy)         # and its --tensor-type rules
+        pol = load_policy(policy)
+    pol = pol.with_tensor_types(tensor_type_rules(tensor_type, tensor_type_file), tensor_type_file)
     for line in pol.check_requirements(imatrix=imatrix is not None, allow_requantize=allow_requantize,
                                        plan_only=plan_only):
         note(line)
@@ -26,6 +36,35 @@ def load_policy_options(policy: str, tensor_type: List[str], tensor_type_file: L
     reading(imatrix)
     return pol, load_imatrix(imatrix)
 
+
+def target_options(target_size: Optional[str], target_bpw: Optional[str], gpu_budget: Optional[str],
+                   emit_policy: Optional[Path], imatrix: Optional[Path], policy: Optional[str]):
+    """The budget options (quant.target.choose.TargetOptions), or None without one; every bad value refused in
+    one line before anything is read."""
+    from ..quant.target.budget import BudgetError, parse_budget
+    from ..quant.target.choose import TargetOptions, check_budget_options
+    budget = parse_budget(target_size, target_bpw)
+    gpu = None
+    if gpu_budget is not None:
+        gpu = parse_size(gpu_budget, "--gpu-budget")
+        if gpu <= 0:
+            raise BudgetError(f"--gpu-budget {gpu_budget!r}: must be more than 0 bytes")
+    check_budget_options(budget, imatrix, gpu)
+    if budget is None:
+        if emit_policy is not None:
+            raise BudgetError("--emit-policy writes the types a budget chose: give --target-size or --target-bpw")
+        return None
+    return TargetOptions(budget, gpu, emit_policy)
+
+
+def print_choice(choice, explain: bool) -> None:
+    """On stderr: the budget met; with --explain, each decision (its type, bytes, error and the hull's others)."""
+    from ..quant.target.budget import decimal_size
+    if explain:
+        for line in choice.lines:
+            console.print(escape(line), highlight=False)
+    console.print(f"budget {decimal_size(choice.budget_bytes)}: chose {decimal_size(choice.nbytes)} "
+                  f"(floor {decimal_size(choice.floor)}, ceiling {decimal_size(choice.ceiling)})", highlight=False)
 
 def report_decisions(plan, imat) -> None:
     """On stderr: the rules that name protected tensors, the warnings, and the imatrix's coverage."""

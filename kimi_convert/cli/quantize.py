@@ -3,6 +3,8 @@
   kimi-quantize --policy POLICY IN.gguf OUT.gguf [--imatrix FILE] [--tensor-type RE=TYPE ...]
                 [--tensor-type-file F] [--explain] [--dry-run] [--strict] [--allow-requantize]
                 [--threads N] [--force] [--keep-split | --split-max-size S] [--json REPORT.json]
+  kimi-quantize --target-size 600G IN.gguf OUT.gguf --imatrix FILE [--policy BASE] [--gpu-budget 80G]
+                [--emit-policy CHOSEN.toml] ...     (or --target-bpw 2.5)
 
 POLICY is a TOML file, a shipped preset name (lower case: q8_0, k3-q4) or a llama-quantize file type (upper case:
 Q4_K_M, IQ2_XXS), whose mixture then decides (docs/policy.md); `kimi-quantize --list-presets` lists both kinds.
@@ -20,7 +22,8 @@ import typer
 from ..errors import Interrupted, KimiError
 from .common import (check_count, console, debug_option, fail, human, interrupted, interrupts_raise, note, output,
                      parse_size, progress_bar, reading, run_app, typer_app)
-from .policy_options import load_policy_options, print_dry_run_table, report_decisions, report_write_blockers
+from .policy_options import (load_policy_options, print_choice, print_dry_run_table, report_decisions,
+                             report_write_blockers, target_options)
 
 
 app = typer_app(help=__doc__)
@@ -55,12 +58,25 @@ def list_presets(value: bool) -> None:
 
 @app.command()
 def quantize(
+    ctx: typer.Context,
     src: Path = typer.Argument(..., readable=False, metavar="IN.gguf",
                                help="a kimi-k3 / kimi-k31 GGUF (any part of a split file)"),
     out: Optional[Path] = typer.Argument(None, readable=False, metavar="OUT.gguf",
                                          help="the quantized file (not needed with --dry-run or --explain)"),
-    policy: str = typer.Option(..., "--policy", metavar="POLICY",
-                               help="policy TOML file or preset name (see --list-presets)"),
+    policy: Optional[str] = typer.Option(None, "--policy", metavar="POLICY",
+                                         help="policy TOML file or preset name (see --list-presets); with "
+                                         "--target-size, the BASE whose rules pin the tensors they name"),
+    target_size: Optional[str] = typer.Option(None, "--target-size", metavar="SIZE",
+                                              help="choose every free tensor's type so that the tensor data "
+                                              "fits SIZE (K/M/G/T: powers of 1000), e.g. 600G; needs --imatrix"),
+    target_bpw: Optional[str] = typer.Option(None, "--target-bpw", metavar="BPW",
+                                             help="the same budget in bits per weight, e.g. 2.5"),
+    gpu_budget: Optional[str] = typer.Option(None, "--gpu-budget", metavar="SIZE",
+                                             help="with a budget: the tensors that run for every token (all but "
+                                             "the routed experts) fit SIZE, the experts the rest"),
+    emit_policy: Optional[Path] = typer.Option(None, "--emit-policy", readable=False, metavar="CHOSEN.toml",
+                                               help="with a budget: write the chosen types as a policy file "
+                                               "(--policy CHOSEN.toml makes the same file)"),
     imatrix: Optional[Path] = typer.Option(None, "--imatrix", readable=False, metavar="FILE",
                                            help="llama-imatrix file (GGUF or .dat)"),
     tensor_type: List[str] = typer.Option([], "--tensor-type", metavar="RE=TYPE",
@@ -100,6 +116,10 @@ def quantize(
     from ..paths import Report, refuse_overlap, report_output
     from ..quant.driver import plan_file, quantize_file, run_inputs
     started, result = time.time(), None
+    if policy is None and target_size is None and target_bpw is None:
+        # a usage mistake (exit 2), as the required option it was before budgets came
+        from typer._click.exceptions import UsageError
+        raise UsageError("Missing option '--policy' (or a budget: --target-size SIZE / --target-bpw BPW)", ctx)
     try:
         with interrupts_raise(), ExitStack() as held:
             if keep_split and split_max_size is not None:
@@ -111,15 +131,26 @@ def quantize(
                 max_size = parse_size(split_max_size)
                 check_split_max_size(max_size, split_max_size)
             check_count(threads, "--threads", 0, MAX_THREADS, "one OS thread each; 0 is all cores")
+            target = target_options(target_size, target_bpw, gpu_budget, emit_policy, imatrix, policy)
             pol, imat = load_policy_options(policy, tensor_type, tensor_type_file, imatrix,
-                                            allow_requantize=allow_requantize, plan_only=explain or dry_run)
+                                            allow_requantize=allow_requantize, plan_only=explain or dry_run,
+                                            base=target is not None)
+            cache = target and target.cache_path(out)
             refuse_overlap(run_inputs(src, pol, imat), [*(written_paths(out) if out is not None else []),
-                                                        *([report_output(json_file)] if json_file else [])])
+                                                        *([report_output(json_file)] if json_file else []),
+                                                        *(target.outputs(out) if target else [])])
             report = held.enter_context(closing(Report(json_file, force))) if json_file is not None else None
+            emitted = (held.enter_context(closing(Report(emit_policy, force, "--emit-policy")))
+                       if emit_policy is not None else None)
             if not (explain or dry_run):        # a second run into OUT refuses before reading IN
                 held.enter_context(output_lock(out))
             reading(src)
             gf = open_gguf(src)
+            choice = None
+            if target is not None:
+                choice = choose_types(gf, pol, imat, target, allow_requantize=allow_requantize, threads=threads,
+                                      cache=cache)
+                pol = choice.policy
             plan = plan_file(gf, pol, allow_requantize=allow_requantize, strict=strict, imatrix=imat is not None)
             report_decisions(plan, imat)
             if explain or dry_run:
@@ -128,14 +159,21 @@ def quantize(
                     print_explain(plan, pol)
                 if dry_run:
                     print_dry_run(plan)
+                if choice is not None:
+                    print_choice(choice, explain)
                 if report:
                     report.deliver(json_report(plan, pol))
+                if emitted:
+                    emitted.deliver(choice.text)
                 return
             with progress_bar(plan.target_bytes) as advance:
                 result = quantize_file(src, out, pol, imatrix=imat, allow_requantize=allow_requantize,
                                        strict=strict, force=force, split_max_size=max_size, keep_split=keep_split,
                                        threads=threads, on_bytes=advance, log=note, resume=resume,
-                                       reports=[(report, json_report(plan, pol))] if report else [])
+                                       reports=[*([(report, json_report(plan, pol))] if report else []),
+                                                *([(emitted, choice.text)] if emitted else [])])
+            if choice is not None:
+                print_choice(choice, False)
             for line in result.notes:
                 note(line)
     except KimiError as e:
@@ -147,6 +185,14 @@ def quantize(
     console.print(f"wrote {len(plan.decisions)} tensors ({sum(not d.copied for d in plan.decisions)} quantized), "
                   f"{human(plan.target_bytes)} ({plan.target_bytes / max(plan.source_bytes, 1):.1%} of the input) "
                   f"in {result.seconds:.1f} s", highlight=False)
+
+
+def choose_types(gf, base, imat, target, *, allow_requantize: bool, threads: int, cache):
+    from ..quant.blocks import default_threads
+    from ..quant.target.choose import choose
+    return choose(gf, base, target.budget, imat, allow_requantize=allow_requantize, gpu_budget=target.gpu_budget,
+                  threads=threads or default_threads(), cache_path=cache,
+                  source=str(target.emit_policy or "the chosen policy"), note=note)
 
 
 def print_explain(plan, pol) -> None:

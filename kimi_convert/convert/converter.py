@@ -482,6 +482,11 @@ def plan_policy(plan: Plan, policy: "Policy", *, imatrix=None, allow_requantize:
                          allow_requantize=allow_requantize, strict=strict, threads=threads)
 
 
+def producers(plan: Plan) -> dict[str, Callable[[], Iterator]]:
+    """Each tensor's producer, by name: what convert() streams into the writer (--target-size samples them)."""
+    return {t.name: (lambda t=t: _produce(t, plan.checkpoint, plan.config)) for t in plan.tensors}
+
+
 def one_pass_peak_ram(plan: Plan, quant: "OnePass") -> int:
     """Plan.peak_ram_estimate for the quantized output: the quantizer itself, and each tensor's producer work
     plus, if it is quantized, a chunk's work."""

@@ -1,0 +1,193 @@
+"""One run of the target: the BASE plan, its decisions, feasibility, the measured errors, the solve and the
+chosen policy. kimi-quantize (and kimi-convert's one pass) call `choose` before they plan or write anything."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from ...gguf_io import GGUFFile
+from ..driver import plan_file
+from ..plan import QuantPlan
+from ..policy import Policy, parse_policy
+from .budget import Budget, BudgetError, check_feasible, decimal_size
+from .emit import Chosen, decided_why, policy_text
+from .measure import ErrorCache, RowReader, gguf_rows, unit_errors
+from .solver import Point, Solution, lower_hull, solve
+from .units import ROUTED_EXPERTS, Decisions, held, split_decisions
+
+
+@dataclass
+class Choice:
+    policy: Policy              # the chosen policy (parsed back from `text`, as --policy CHOSEN.toml reads it)
+    text: str                   # its TOML
+    budget_bytes: int
+    nbytes: int                 # the chosen file's tensor data
+    floor: int
+    ceiling: int
+    lines: list[str] = field(default_factory=list)      # one per decision, for --explain / --dry-run
+
+
+def n_weights(gf: GGUFFile) -> int:
+    return sum(int(np.prod(t.shape, dtype=np.int64)) for t in gf.tensors.values())
+
+
+def feasible_decisions(gf: GGUFFile, base: Policy, budget: Budget, imat, *, allow_requantize: bool,
+                       gpu_budget: int | None) -> tuple[Decisions, int]:
+    """The decisions of file `gf` and the budget in bytes, after the feasibility checks (headers only)."""
+    plan = plan_file(gf, base, allow_requantize=allow_requantize, imatrix=True)
+    return check_decisions(plan, n_weights(gf), budget, imat, allow_requantize=allow_requantize,
+                           gpu_budget=gpu_budget)
+
+
+def check_decisions(plan: QuantPlan, weights: int, budget: Budget, imat, *, allow_requantize: bool,
+                    gpu_budget: int | None) -> tuple[Decisions, int]:
+    """The decisions of the BASE `plan` (of a model of `weights` elements) and the budget in bytes, after the
+    feasibility checks: nothing is measured."""
+    decisions = split_decisions(plan, lambda d: imat.has_vector(d.name, d.shape), allow_requantize=allow_requantize)
+    nbytes = budget.nbytes(weights)
+    check_feasible(budget, nbytes, decisions.floor(), decisions.ceiling(), weights)
+    if gpu_budget is not None:
+        dense = _dense(decisions)
+        spelled = replace(budget, spelled=f"--gpu-budget {decimal_size(gpu_budget)}")
+        if gpu_budget < dense.floor():
+            check_feasible(spelled, gpu_budget, dense.floor(), dense.ceiling(), weights,
+                           "set of non-expert tensors")
+    return decisions, nbytes
+
+
+def choose(gf: GGUFFile, base: Policy, budget: Budget, imat, *, allow_requantize: bool = False,
+           gpu_budget: int | None = None, threads: int = 1, cache_path: Path | None = None,
+           source: str = "chosen policy", note: Callable[[str], None] = lambda s: None) -> Choice:
+    """The chosen policy for GGUF file `gf` (kimi-quantize)."""
+    decisions, budget_bytes = feasible_decisions(gf, base, budget, imat, allow_requantize=allow_requantize,
+                                                 gpu_budget=gpu_budget)
+    return choose_decided(decisions, budget_bytes, gguf_rows(gf), base, budget, imat,
+                          allow_requantize=allow_requantize, gpu_budget=gpu_budget, threads=threads,
+                          cache_path=cache_path, source=source, note=note)
+
+
+def choose_decided(decisions: Decisions, budget_bytes: int, rows: RowReader, base: Policy, budget: Budget, imat, *,
+                   allow_requantize: bool, gpu_budget: int | None, threads: int, cache_path: Path | None,
+                   source: str, note: Callable[[str], None]) -> Choice:
+    """Measure, solve and emit, for decisions checked by check_decisions; `rows` reads a tensor's stored rows
+    (from a GGUF, or from the converter's producer in kimi-convert's one pass)."""
+    if cache_path is None:
+        note("no OUT.gguf or --emit-policy: the measured errors are not cached")
+    cache = ErrorCache(cache_path, note)
+    vectors: dict[str, np.ndarray | None] = {}
+
+    def vector(name: str):
+        if name not in vectors:
+            d = next(d for u in decisions.units for d in u.decisions if d.name == name)
+            vectors[name] = imat.vector(d.name, d.shape)
+        return vectors[name]
+    hulls = []
+    for u in decisions.units:
+        errors = unit_errors(u, rows, vector, cache, threads)
+        hulls.append(lower_hull([Point(t, u.nbytes(t), errors[t]) for t in u.candidates]))
+        vectors.clear()
+    cache.save(note)
+    note(f"error measures: {cache.hits} from the cache, {cache.misses} measured"
+         + (f" ({cache_path})" if cache_path is not None else ""))
+    solution = split_solve(decisions, hulls, budget_bytes, gpu_budget)
+    return _choice(decisions, hulls, solution, budget, budget_bytes, source, base, allow_requantize,
+                   f"imatrix {getattr(imat, 'path', '?')}")
+
+
+def _dense(decisions: Decisions) -> Decisions:
+    """The tensors that run for every token: all but the routed experts."""
+    return Decisions(tuple(u for u in decisions.units if not u.expert),
+                     tuple(d for d in decisions.fixed if not ROUTED_EXPERTS.match(d.name)))
+
+
+def split_solve(decisions: Decisions, hulls: list, budget_bytes: int, gpu_budget: int | None) -> Solution:
+    """One knapsack over every decision; with a GPU budget that the non-expert part of it exceeds, the
+    non-expert decisions are solved within the GPU budget first and the experts within what is left."""
+    free = budget_bytes - decisions.fixed_bytes
+    joint = solve(hulls, free)
+    if gpu_budget is None:
+        return joint
+    dense_idx = [i for i, u in enumerate(decisions.units) if not u.expert]
+    expert_idx = [i for i, u in enumerate(decisions.units) if u.expert]
+    dense = _dense(decisions)
+    dense_bytes = dense.fixed_bytes + sum(hulls[i][joint.choice[i]].nbytes for i in dense_idx)
+    if dense_bytes <= gpu_budget:
+        return joint
+    expert_floor = sum(hulls[i][0].nbytes for i in expert_idx)
+    dense_free = min(gpu_budget, budget_bytes - (decisions.fixed_bytes - dense.fixed_bytes) - expert_floor) \
+        - dense.fixed_bytes
+    d = solve([hulls[i] for i in dense_idx], dense_free)
+    e = solve([hulls[i] for i in expert_idx], free - d.nbytes)
+    choice = [0] * len(hulls)
+    for i, c in zip(dense_idx, d.choice):
+        choice[i] = c
+    for i, c in zip(expert_idx, e.choice):
+        choice[i] = c
+    return Solution(choice, e.lam, d.nbytes + e.nbytes, d.error + e.error)
+
+
+def _choice(decisions: Decisions, hulls, solution: Solution, budget: Budget, budget_bytes: int, source: str,
+            base: Policy, allow_requantize: bool, imatrix: str) -> Choice:
+    chosen: list[Chosen] = []
+    lines = []
+    for u, h, i in zip(decisions.units, hulls, solution.choice):
+        p = h[i]
+        others = ", ".join(f"{q.qtype.name} {q.error:.3g}" for q in h if q is not p) or "no other hull point"
+        chosen.append(Chosen(u.decisions, p.qtype, p.error, decided_why(p.qtype, p.error, p.nbytes,
+                                                                        f"hull: {others}")))
+        lines.append(f"{u.key:<40} {p.qtype.name:>7} {decimal_size(p.nbytes):>28}  error {p.error:.4g}  "
+                     f"(hull: {others})")
+    for d in decisions.fixed:
+        if not held(d, allow_requantize):
+            chosen.append(Chosen((d,), d.target, None, f"fixed: {d.why}"))
+    nbytes = decisions.fixed_bytes + solution.nbytes
+    dense = _dense(decisions).fixed_bytes + sum(h[i].nbytes for u, h, i in zip(decisions.units, hulls,
+                                                                              solution.choice) if not u.expert)
+    types = sorted({t for u in decisions.units for t in u.candidates}, key=int)
+    header = [f"{budget.spelled}: {decimal_size(nbytes)} of {decimal_size(budget_bytes)}",
+              f"non-expert tensors {decimal_size(dense)}, routed experts {decimal_size(nbytes - dense)}",
+              f"candidates: {', '.join(t.name for t in types)}; {imatrix}",
+              f"fixed (protected, pinned, no choice): {decimal_size(decisions.fixed_bytes)}; decided: "
+              f"{len(decisions.units)} decisions, predicted error {solution.error:.6g}, lambda {solution.lam:.6g}",
+              f"base: {base.source}; error measure: imatrix-weighted relative error on sampled rows"]
+    text = policy_text(chosen, header)
+    policy = replace(parse_policy(text, source), inputs=base.inputs)
+    return Choice(policy, text, budget_bytes, nbytes, decisions.floor(), decisions.ceiling(), lines)
+
+
+def check_budget_options(budget: Budget | None, imatrix, gpu_budget: int | None) -> None:
+    """Before anything is read: a budget needs an imatrix; --gpu-budget needs a budget."""
+    if budget is None:
+        if gpu_budget is not None:
+            raise BudgetError("--gpu-budget splits a --target-size or --target-bpw budget: give one")
+        return
+    if imatrix is None:
+        raise BudgetError(f"{budget.spelled}: needs --imatrix FILE (the error of each type is weighted by it, and "
+                          f"the low-bit types need it)")
+
+
+@dataclass(frozen=True)
+class TargetOptions:
+    budget: Budget
+    gpu_budget: int | None
+    emit_policy: Path | None
+
+    def cache_path(self, out: Path | None) -> Path | None:
+        """The error cache: beside OUT, else beside the emitted policy, else none."""
+        beside = out if out is not None else self.emit_policy
+        return None if beside is None else Path(beside).with_name(f"{Path(beside).name}.errors.json")
+
+    def outputs(self, out: Path | None) -> list:
+        """The paths a budget run writes besides OUT: the emitted policy and the error cache."""
+        from ...paths import Output, report_output
+        found = [report_output(self.emit_policy, "--emit-policy")] if self.emit_policy is not None else []
+        cache = self.cache_path(out)
+        return found + ([Output(cache, "error cache")] if cache is not None else [])
+
+
+def no_base() -> Policy:
+    """The BASE of a budget given no --policy: no rule pins anything."""
+    return Policy(None, "no --policy", (), "no --policy")

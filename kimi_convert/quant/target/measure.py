@@ -1,0 +1,159 @@
+"""The error of each candidate type: imatrix-weighted relative quantization error on sampled rows.
+
+For a row x of a tensor, quantized to type T and widened back (our byte-exact quantizers and dequantizers, with
+the imatrix vector the write would use: what is measured is what will be written), with s the importance
+vector (llama-imatrix's mean squared activations per column; all ones where the tensor has no entry):
+
+    e(x, T) = sum_j s_j (x_j - deq(q(x))_j)^2 / sum_j s_j x_j^2
+
+which is E|dW a|^2 / E|W a|^2 for activations a of diagonal covariance s: what ggml's quantizers minimise. A
+tensor's error is the mean of e over its sampled rows times its row count (an estimate of the sum over all
+rows, so a big tensor weighs more than a small one), and a decision's the sum over its tensors.
+
+Rows: at least TENSOR_ROWS per tensor and EXPERT_ROWS per matrix (every expert of a stacked tensor is sampled),
+evenly strided from an offset seeded by the tensor's name (the same rows every run). The candidates of a tensor
+are measured on `threads` threads at once (one candidate each; the kernels drop the GIL); each candidate's sum
+is taken in the same order whatever the thread count, so the errors do not depend on it.
+
+Results are cached in a JSON file beside the output, keyed by a hash of the sampled rows' stored bytes, the
+imatrix values they are quantized with, the type and this module's MEASURE_VERSION: a second budget on the
+same model and imatrix reads the samples and quantizes nothing.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+
+from ...gguf_io import GGUFFile
+from ..blocks import dequantize, quantize
+from ..imatrix import expert_slice
+from ..plan import Decision
+from .units import Unit
+
+MEASURE_VERSION = 2
+EXPERT_ROWS = 4         # rows sampled per matrix at least: K3's 896 experts give 3,584 rows per expert tensor
+TENSOR_ROWS = 64        # rows sampled per tensor at least (all of them when it has fewer)
+
+
+class ErrorCache:
+    """(sample hash -> error) read from and written to `path` (None: in memory only), written atomically."""
+
+    def __init__(self, path: Path | None, note: Callable[[str], None] = lambda s: None):
+        self.path, self.entries, self.hits, self.misses = path, {}, 0, 0
+        if path is not None and path.is_file():
+            try:
+                doc = json.loads(path.read_text(encoding="utf-8"))
+                if doc.get("version") == MEASURE_VERSION:
+                    self.entries = {str(k): float(v) for k, v in doc["errors"].items()}
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+                note(f"{path}: unreadable error cache ({e}); measuring again")
+
+    def get(self, key: str, compute: Callable[[], float]) -> float:
+        if key in self.entries:
+            self.hits += 1
+            return self.entries[key]
+        self.misses += 1
+        self.entries[key] = value = float(compute())
+        return value
+
+    def save(self, note: Callable[[str], None] = lambda s: None) -> None:
+        """Under a temporary name, then renamed; a cache that cannot be written is said, not an error."""
+        if self.path is None or not self.misses:
+            return
+        tmp = self.path.with_name(f".{self.path.name}.partial-{os.getpid()}")
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump({"version": MEASURE_VERSION, "errors": dict(sorted(self.entries.items()))}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except OSError as e:
+            note(f"{self.path}: cannot write the error cache ({e.strerror or e}); the next run measures again")
+        finally:
+            tmp.unlink(missing_ok=True)
+
+
+def sampled_rows(name: str, shape: tuple[int, ...]) -> list[tuple[int, list[int]]]:
+    """(matrix, its sampled row numbers, counted over the whole tensor) for every matrix of a tensor."""
+    n_mats = int(np.prod(shape[:-2], dtype=np.int64)) if len(shape) > 2 else 1
+    rows = shape[-2] if len(shape) > 1 else 1
+    k = min(max(EXPERT_ROWS, -(-TENSOR_ROWS // n_mats)), rows)
+    stride = rows // k
+    offset = zlib.crc32(name.encode()) % stride
+    return [(e, [e * rows + offset + i * stride for i in range(k)]) for e in range(n_mats)]
+
+
+# (tensor's decision, sorted row numbers counted over the whole tensor) -> those rows as stored, one array each
+RowReader = Callable[[Decision, list[list[int]]], list[np.ndarray]]
+
+
+def gguf_rows(gf: GGUFFile) -> RowReader:
+    """Rows read from a GGUF file, each with one pread."""
+    def read(d: Decision, groups: list[list[int]]) -> list[np.ndarray]:
+        t = gf.tensors[d.name]
+        buf = np.empty(t.row_nbytes, np.uint8)
+        return [np.concatenate([np.array(t.read_rows(r, r + 1, buf)) for r in rows]) for rows in groups]
+    return read
+
+
+def unit_errors(unit: Unit, read_rows: RowReader, vectors: Callable[[str], np.ndarray | None], cache: ErrorCache,
+                threads: int) -> dict[QT, float]:
+    """The error of each of `unit`'s candidates (keeping the stored type: 0)."""
+    errors = {t: 0.0 for t in unit.candidates}
+    for d in unit.decisions:
+        vector = vectors(d.name)
+        picked = sampled_rows(d.name, d.shape)
+        stored = read_rows(d, [rows for _, rows in picked])
+        samples = [(rows, None if vector is None else expert_slice(vector, d.shape, e))
+                   for (e, _), rows in zip(picked, stored)]
+        n_rows = int(np.prod(d.shape[:-1], dtype=np.int64))
+        digest = _digest(d.name, samples)
+        todo = [qt for qt in unit.candidates if qt != d.source and f"{digest}:{qt.name}" not in cache.entries]
+        if todo:
+            x = [dequantize(stored, d.source, threads=1) for stored, _ in samples]
+            measured = dict(zip(todo, _pool(threads).map(lambda qt: _tensor_error(x, samples, qt), todo)))
+        for qt in unit.candidates:
+            if qt != d.source:
+                errors[qt] += cache.get(f"{digest}:{qt.name}", lambda qt=qt: measured[qt] * n_rows)
+    return errors
+
+
+@lru_cache(maxsize=None)
+def _pool(threads: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max(1, threads), thread_name_prefix="kimi-target")
+
+
+def _digest(name: str, samples) -> str:
+    h = hashlib.sha256(f"{MEASURE_VERSION}:{EXPERT_ROWS}:{TENSOR_ROWS}:{name}".encode())
+    for stored, vector in samples:
+        h.update(np.ascontiguousarray(stored).tobytes())
+        h.update(b"-" if vector is None else np.ascontiguousarray(vector, dtype=np.float32).tobytes())
+    return h.hexdigest()
+
+
+def _tensor_error(x: list[np.ndarray], samples, qtype: QT) -> float:
+    """Mean relative weighted error over the sampled rows of one tensor: `x` its rows per matrix (float32),
+    `samples` their (stored rows, importance vector); every matrix quantized with its vector, then all widened
+    back at once."""
+    quantized = [quantize(rows, qtype, vector, threads=1) for rows, (_, vector) in zip(x, samples)]
+    back = dequantize(np.concatenate(quantized), qtype, threads=1)
+    total, n, at = 0.0, 0, 0
+    for rows, (_, vector) in zip(x, samples):
+        y = back[at:at + rows.shape[0]]
+        at += rows.shape[0]
+        s = np.ones(rows.shape[1], np.float64) if vector is None else vector.astype(np.float64)
+        xd = rows.astype(np.float64)
+        num = ((xd - y) ** 2) @ s
+        den = (xd ** 2) @ s
+        total += float(np.sum(np.divide(num, den, out=np.zeros_like(num), where=den > 0)))
+        n += rows.shape[0]
+    return total / max(n, 1)

@@ -1,0 +1,257 @@
+"""kimi-quantize --target-size / --target-bpw (quant/target): budgets met from below and within the largest
+decision, infeasible budgets refused with floor and ceiling, the emitted policy making the identical file,
+protections and BASE pins unmoved, --gpu-budget respected, the same choice across runs and thread counts, and
+each bad value one `error:` line."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+from kimi_convert.fixtures.imatrix import k3_entries, write_gguf_imatrix
+from kimi_convert.gguf_io import open_gguf
+from kimi_convert.quant.driver import plan_file
+from kimi_convert.quant.imatrix import load_imatrix
+from kimi_convert.quant.policy import load_policy
+from kimi_convert.quant.target.budget import BudgetError, parse_budget
+from kimi_convert.quant.target.choose import choose, feasible_decisions, no_base
+from kimi_convert.quant.target.solver import Point, lower_hull, solve
+from kimi_convert.quant.target.units import ROUTED_EXPERTS
+from test_convert_errors import CLI_ENV
+
+
+def quantize(*args) -> subprocess.CompletedProcess:
+    code = "from kimi_convert.cli.quantize import main\nmain()\n"
+    return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,
+                          env=CLI_ENV, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def src(converted) -> Path:
+    return converted("k3")
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("target")
+
+
+@pytest.fixture(scope="module")
+def imatrix(src, work) -> Path:
+    shapes = {n: t.shape for n, t in open_gguf(src).tensors.items()}
+    return write_gguf_imatrix(work / "im.gguf", k3_entries(shapes))
+
+
+@pytest.fixture(scope="module")
+def solve_at(src, imatrix, work):
+    """budget text -> Choice, in process, with the experts free (--allow-requantize) and one shared cache."""
+    gf, imat = open_gguf(src), load_imatrix(imatrix)
+
+    def run(size: str, base=None, gpu=None, threads=1, cache=work / "errors.json", **kw):
+        return choose(gf, base or no_base(), parse_budget(size, None), imat, allow_requantize=True,
+                      gpu_budget=gpu, threads=threads, cache_path=cache, **kw)
+    return run
+
+
+@pytest.fixture(scope="module")
+def bounds(src, imatrix):
+    """(floor, ceiling, the largest decision's bytes) with the experts free."""
+    decisions, _ = feasible_decisions(open_gguf(src), no_base(), parse_budget("2M", None), load_imatrix(imatrix),
+                                      allow_requantize=True, gpu_budget=None)
+    return decisions.floor(), decisions.ceiling(), max(u.nbytes(u.candidates[-1]) for u in decisions.units)
+
+
+def test_budgets_met_from_below_within_the_largest_decision(solve_at, bounds, src):
+    floor, ceiling, largest = bounds
+    gf = open_gguf(src)
+    for frac in (0.1, 0.5, 0.9):
+        budget = int(floor + frac * (ceiling - floor))
+        c = solve_at(str(budget))
+        assert budget - largest < c.nbytes <= budget
+        assert plan_file(gf, c.policy, allow_requantize=True, imatrix=True).target_bytes == c.nbytes
+
+
+def test_more_bytes_less_predicted_error(solve_at, bounds):
+    floor, ceiling, _ = bounds
+    errors = [float(solve_at(str(int(floor + f * (ceiling - floor)))).text.split("predicted error ")[1].split(",")[0])
+              for f in (0.2, 0.6)]
+    assert errors[0] > errors[1] > 0
+
+
+def test_infeasible_refused_with_floor_and_ceiling(solve_at, bounds):
+    floor, ceiling, _ = bounds
+    for budget in (floor - 1, ceiling + 1):
+        with pytest.raises(BudgetError) as e:
+            solve_at(str(budget))
+        assert f"{floor:,} bytes" in str(e.value) and f"{ceiling:,} bytes" in str(e.value)
+
+
+def test_bpw_is_the_same_budget_per_weight(src):
+    from kimi_convert.quant.target.choose import n_weights
+    weights = n_weights(open_gguf(src))
+    assert parse_budget(None, "4.5").nbytes(weights) == int(4.5 * weights / 8)
+
+
+def test_protections_and_base_pins_unmoved(solve_at, bounds, src, work):
+    base_file = work / "base.toml"
+    base_file.write_text('default = "keep"\n[[rules]]\npattern = "attn_q\\\\.weight$"\ntype = "Q5_1"\n')
+    base = load_policy(base_file)
+    floor, ceiling, _ = bounds
+    c = solve_at(str((floor + ceiling) // 2), base=base)
+    gf = open_gguf(src)
+    chosen = {d.name: d for d in plan_file(gf, c.policy, allow_requantize=True, imatrix=True).decisions}
+    before = {d.name: d for d in plan_file(gf, base, allow_requantize=True, imatrix=True).decisions}
+    pinned = [n for n in before if n.endswith("attn_q.weight")]
+    assert pinned and all(chosen[n].target == QT.Q5_1 for n in pinned)
+    protected = [n for n, d in before.items() if d.protection is not None and not ROUTED_EXPERTS.match(n)]
+    assert protected and all(chosen[n].target == before[n].target == before[n].source for n in protected)
+    assert c.policy.inputs == base.inputs       # BASE is read, so no output may replace it
+
+
+def test_mxfp4_experts_fixed_without_allow_requantize(src, imatrix):
+    gf, imat = open_gguf(src), load_imatrix(imatrix)
+    c = choose(gf, no_base(), parse_budget("2.2M", None), imat, cache_path=None)
+    plan = plan_file(gf, c.policy, imatrix=True)
+    experts = [d for d in plan.decisions if ROUTED_EXPERTS.match(d.name)]
+    assert experts and all(d.target == d.source == QT.MXFP4 for d in experts)
+    assert c.nbytes <= 2_200_000
+
+
+def test_gpu_budget_respected(solve_at, bounds, src):
+    floor, ceiling, _ = bounds
+    budget = (floor + ceiling) // 2
+    free = solve_at(str(budget))
+    gf = open_gguf(src)
+
+    def dense(policy) -> int:
+        return sum(d.target_bytes for d in plan_file(gf, policy, allow_requantize=True, imatrix=True).decisions
+                   if not ROUTED_EXPERTS.match(d.name))
+    gpu = dense(free.policy) * 3 // 4       # binding: the unconstrained choice puts more there
+    c = solve_at(str(budget), gpu=gpu)
+    assert dense(c.policy) <= gpu and c.nbytes <= budget
+    # the experts take up what the dense tensors gave back, up to their own ceiling (kept as MXFP4)
+    experts = [d for d in plan_file(gf, c.policy, allow_requantize=True, imatrix=True).decisions
+               if ROUTED_EXPERTS.match(d.name)]
+    assert c.nbytes > budget - bounds[2] or all(d.target == QT.MXFP4 for d in experts)
+    assert c.nbytes > budget - bounds[2] - gpu // 4 or all(d.target == QT.MXFP4 for d in experts)
+    with pytest.raises(BudgetError, match="set of non-expert tensors"):
+        solve_at(str(budget), gpu=1000)
+
+
+def test_cache_makes_a_second_budget_measure_nothing(solve_at, bounds):
+    floor, ceiling, _ = bounds
+    solve_at(str(ceiling))
+    notes = []
+    solve_at(str((floor + ceiling) // 3 + floor // 2), note=notes.append)
+    assert any(" 0 measured" in n for n in notes), notes
+
+
+@pytest.fixture(scope="module")
+def target_run(src, imatrix, work, bounds):
+    """One kimi-quantize --target-size run (fresh cache, --threads 2): (OUT, the budget, CHOSEN.toml)."""
+    floor, ceiling, _ = bounds
+    budget = str((floor + 2 * ceiling) // 3)
+    out, chosen = work / "t.gguf", work / "chosen.toml"
+    r = quantize(src, out, "--target-size", budget, "--imatrix", imatrix, "--allow-requantize", "--threads", "2",
+                 "--emit-policy", chosen)
+    assert r.returncode == 0, r.stderr
+    return out, budget, chosen
+
+
+def test_cli_writes_budget_and_policy_that_round_trips(target_run, src, imatrix, tmp_path, solve_at):
+    """--policy CHOSEN.toml: identical bytes; the choice (2 threads, fresh cache) equals the in-process one at
+    1 thread with the shared cache."""
+    out, budget, chosen = target_run
+    assert Path(f"{out}.errors.json").is_file()
+    assert sum(t.nbytes for t in open_gguf(out).tensors.values()) <= int(budget)
+    assert chosen.read_text() == solve_at(budget, source=str(chosen)).text
+    again = tmp_path / "p.gguf"
+    r = quantize(src, again, "--policy", chosen, "--imatrix", imatrix, "--allow-requantize")
+    assert r.returncode == 0, r.stderr
+    assert out.read_bytes() == again.read_bytes()
+
+
+def test_one_pass_equals_convert_then_quantize(k3_dir, target_run, imatrix, tmp_path):
+    """kimi-convert --target-size: the same file and policy as kimi-convert, then kimi-quantize --target-size.
+    Its cache starts as a copy of the quantize run's: that nothing is measured shows the rows cut from the
+    converter's producers are the converted file's, byte for byte."""
+    out, budget, chosen = target_run
+    one, one_policy = tmp_path / "one.gguf", tmp_path / "one.toml"
+    (tmp_path / "one.gguf.errors.json").write_bytes(Path(f"{out}.errors.json").read_bytes())
+    r = subprocess.run([sys.executable, "-c", "from kimi_convert.cli.convert import convert_main\nconvert_main()\n",
+                        k3_dir, one, "--target-size", budget, "--imatrix", imatrix, "--allow-requantize",
+                        "--emit-policy", one_policy], capture_output=True, text=True, env=CLI_ENV, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert " 0 measured" in r.stderr
+    assert one.read_bytes() == out.read_bytes()
+    assert one_policy.read_text() == chosen.read_text()
+
+
+def test_dry_run_solves_and_prints_without_writing(src, imatrix, tmp_path, work, solve_at):
+    solve_at("2M")                          # the shared cache is filled; OUT's cache starts as a copy of it
+    cache = tmp_path / "o.gguf.errors.json"
+    cache.write_bytes((work / "errors.json").read_bytes())
+    r = quantize(src, tmp_path / "o.gguf", "--target-bpw", "6", "--imatrix", imatrix, "--dry-run", "--explain")
+    assert r.returncode == 0, r.stderr
+    assert "budget " in r.stderr and "chose" in r.stderr and "total" in r.stdout
+    assert "solver: " in r.stdout            # --explain: each decision's why
+    assert " 0 measured" in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == [cache.name]
+
+
+@pytest.mark.parametrize("options, needle", [
+    (dict(target_size="0"), "--target-size '0': must be more than 0 bytes"),
+    (dict(target_size="-5G"), "--target-size '-5G': not a size"),
+    (dict(target_size="1x"), "--target-size '1x': not a size"),
+    (dict(target_bpw="abc"), "--target-bpw 'abc': not a number"),
+    (dict(target_bpw="-1"), "--target-bpw '-1': must be more than 0"),
+    (dict(target_size="2M", target_bpw="4"), "exclude each other"),
+    (dict(target_size="2M", imatrix=None), "--target-size 2M: needs --imatrix FILE"),
+    (dict(target_size="2M", gpu_budget="0"), "--gpu-budget '0': must be more than 0"),
+    (dict(gpu_budget="80G"), "--gpu-budget splits a --target-size or --target-bpw budget"),
+    (dict(emit_policy=Path("c.toml")), "--emit-policy writes the types a budget chose"),
+])
+def test_bad_values_one_line_each(options, needle):
+    from kimi_convert.cli.policy_options import target_options
+    given = dict(target_size=None, target_bpw=None, gpu_budget=None, emit_policy=None, imatrix=Path("im.gguf"),
+                 policy=None) | options
+    with pytest.raises(BudgetError) as e:
+        target_options(**given)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--target-size", "1K"], "is below the smallest file these types make"),
+    (["--target-size", "2M", "--emit-policy", "@imatrix"], "imatrix"),
+])
+def test_cli_refuses_in_one_line_exit_1(src, imatrix, tmp_path, args, needle):
+    args = [str(imatrix) if a == "@imatrix" else a for a in args]
+    r = quantize(src, tmp_path / "o.gguf", *args, "--imatrix", imatrix)
+    assert r.returncode == 1, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and needle in errors[0], r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "o.gguf").exists()
+
+
+# --- the solver alone -----------------------------------------------------------------------------------
+
+def _p(t: QT, b: int, e: float) -> Point:
+    return Point(t, b, e)
+
+
+def test_lower_hull_drops_dominated_and_concave_points():
+    pts = [_p(QT.Q4_0, 10, 5.0), _p(QT.Q5_0, 12, 4.9), _p(QT.Q8_0, 20, 1.0), _p(QT.BF16, 40, 0.0),
+           _p(QT.Q5_1, 25, 1.5), _p(QT.F16, 40, 0.5)]
+    assert [p.qtype for p in lower_hull(pts)] == [QT.Q4_0, QT.Q8_0, QT.BF16]
+
+
+def test_solve_fits_and_is_deterministic():
+    hulls = [lower_hull([_p(QT.Q4_0, 10 + i, 5.0 + i), _p(QT.Q8_0, 20 + i, 1.0), _p(QT.BF16, 40, 0.0)])
+             for i in range(6)]
+    for budget in (75, 100, 150, 239, 240):
+        a, b = solve(hulls, budget), solve(hulls, budget)
+        assert a == b and a.nbytes <= budget
+        assert budget - a.nbytes < max(h[-1].nbytes for h in hulls) or a.nbytes == 240
