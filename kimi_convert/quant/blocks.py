@@ -317,6 +317,22 @@ class NVFP4(BlockType, qtype=QT.NVFP4):
     _ref = _rows("lowbit", "nvfp4_rows")
 
 
+# --- IQ1 family: IQ1_S, IQ1_M (kernels.iq1; grid kgrid_1bit_2048, IQ1_M reads IQ1_S's tables) ---
+
+class IQ1_S(GridType, BlockType, qtype=QT.IQ1_S):
+    mirrors = "quantize_row_iq1_s_impl"     # ggml asserts quant_weights: no row of it without an imatrix
+    mirrors_imatrix = "quantize_row_iq1_s_impl"
+    ggml_requires_imatrix = True
+    scale_offsets = (0,)
+    _impl = _weighted("iq1", "iq1_s_impl_rows", tables=GRID_TABLES)
+
+    @classmethod
+    def quantize_rows(cls, x, imatrix, out):
+        if imatrix is None:
+            raise ValueError("IQ1_S: ggml quantizes it only with an imatrix (quantize_row_iq1_s_impl asserts one)")
+        super().quantize_rows(x, imatrix, out)
+
+
 def block_type(qtype: QT) -> type[BlockType]:
     try:
         return _REGISTRY[ggml_type(qtype)]
