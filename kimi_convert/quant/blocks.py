@@ -333,6 +333,14 @@ class IQ1_S(GridType, BlockType, qtype=QT.IQ1_S):
         super().quantize_rows(x, imatrix, out)
 
 
+class IQ1_M(GridType, BlockType, qtype=QT.IQ1_M):
+    mirrors = "quantize_row_iq1_m_impl (weights x^2)"
+    mirrors_imatrix = "quantize_row_iq1_m_impl"
+    # its fp16 scale lies in the top nibbles of scales[8]: no byte offset (see validate_blocks)
+    _ref = _rows("iq1", "iq1_m_rows", tables=GRID_TABLES)
+    _impl = _weighted("iq1", "iq1_m_impl_rows", tables=GRID_TABLES)
+
+
 def block_type(qtype: QT) -> type[BlockType]:
     try:
         return _REGISTRY[ggml_type(qtype)]

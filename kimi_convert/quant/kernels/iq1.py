@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .common import F32, FLT_MAX, INLINE, JIT, QK_K, nearest_int, put_fp16, sum_sq
+from .common import F32, FLT_MAX, INLINE, JIT, NO_WEIGHTS, QK_K, fp32_to_fp16, nearest_int, put_fp16, sum_sq
 
 IQ1S_DELTA = F32(0.125)
 # x_p and x_m: the three level values with the shift +DELTA and -DELTA (exact in float32)
@@ -42,6 +42,8 @@ IQ1S_BYTES = 50                 # block_iq1_s: d (fp16), qs[32], qh[8] (uint16)
 IQ1M_BYTES = 56                 # block_iq1_m: qs[32], qh[16], scales[8] (4 uint16, the fp16 scale in their top nibbles)
 IQ1S_FUDGE = F32(1.125)
 IQ1M_FUDGE = F32(1.1125)
+# IQ1_M's qh bits of a sub-block's shifts, by its shift combination k (bit 1: first half -DELTA, bit 0: second)
+IQ1M_SHIFT_BITS = np.array([0x00, 0x80, 0x08, 0x88], np.int64)
 
 
 # ====================================================================================================
@@ -259,3 +261,222 @@ def iq1_s_impl_rows(x, qw, out, grid, kmap, neighbours):
     for r in range(x.shape[0]):
         _iq1_s_row(x[r], qw, out[r], grid, kmap, neighbours)
 
+
+# ====================================================================================================
+# IQ1_M (quantize_row_iq1_m_impl; without an imatrix the weights are x^2)
+# ====================================================================================================
+
+@njit(**INLINE)
+def _half_values(k, half):
+    """The level values of half ``half`` (0, 1) of an IQ1_M sub-block with shift combination k:
+    0 (+, +), 1 (+, -), 2 (-, +), 3 (-, -)."""
+    minus = k >= 2 if half == 0 else k % 2 == 1
+    return X_M if minus else X_P
+
+
+@njit(**INLINE)
+def _iq1_m_split(px0, px1, pw0, pw1, tmp):
+    """The best (i1, i2, k) of the 153 splits x 4 shift combinations of a 16-value sub-block, and its scale,
+    from the prefix sums of w*x (px) and w (pw) of each half, in sorted order [17]. ggml rewrites each half's
+    3-group sums as total*v[2] - px[i1] - px[i2] (and likewise for w): its operations, in its order.
+    k -1 when no candidate has sumq2 > 0. tmp: float32 scratch of 8*17."""
+    n = IQ1M_BLOCK
+    p2 = X_P[2]
+    m2 = X_M[2]
+    cp1 = X_P[0] * X_P[0] - X_P[1] * X_P[1]
+    cp2 = X_P[1] * X_P[1] - X_P[2] * X_P[2]
+    cm1 = X_M[0] * X_M[0] - X_M[1] * X_M[1]
+    cm2 = X_M[1] * X_M[1] - X_M[2] * X_M[2]
+    tp0 = px0[n] * p2
+    tm0 = px0[n] * m2
+    tp1 = px1[n] * p2
+    tm1 = px1[n] * m2
+    wp0 = pw0[n] * p2 * p2
+    wm0 = pw0[n] * m2 * m2
+    wp1 = pw1[n] * p2 * p2
+    wm1 = pw1[n] * m2 * m2
+    qx0, qx1, qx2, qx3 = tmp[0:17], tmp[17:34], tmp[34:51], tmp[51:68]
+    q20, q21, q22, q23 = tmp[68:85], tmp[85:102], tmp[102:119], tmp[119:136]
+    best = -FLT_MAX
+    scale = F32(0.0)
+    besti1 = -1
+    besti2 = -1
+    best_k = -1
+    for i1 in range(n + 1):
+        a0 = px0[i1]
+        a1 = px1[i1]
+        b0 = pw0[i1]
+        b1 = pw1[i1]
+        m = n + 1 - i1
+        for t in range(m):
+            i2 = i1 + t
+            sx0 = a0 + px0[i2]
+            sx1 = a1 + px1[i2]
+            qxp0 = tp0 - sx0
+            qxm0 = tm0 - sx0
+            qxp1 = tp1 - sx1
+            qxm1 = tm1 - sx1
+            q2p0 = wp0 + b0 * cp1 + pw0[i2] * cp2
+            q2m0 = wm0 + b0 * cm1 + pw0[i2] * cm2
+            q2p1 = wp1 + b1 * cp1 + pw1[i2] * cp2
+            q2m1 = wm1 + b1 * cm1 + pw1[i2] * cm2
+            qx0[t] = qxp0 + qxp1
+            qx1[t] = qxp0 + qxm1
+            qx2[t] = qxm0 + qxp1
+            qx3[t] = qxm0 + qxm1
+            q20[t] = q2p0 + q2p1
+            q21[t] = q2p0 + q2m1
+            q22[t] = q2m0 + q2p1
+            q23[t] = q2m0 + q2m1
+        hits = 0
+        for t in range(m):
+            hits += ((q20[t] > 0) & (qx0[t] * qx0[t] > best * q20[t])) | \
+                    ((q21[t] > 0) & (qx1[t] * qx1[t] > best * q21[t])) | \
+                    ((q22[t] > 0) & (qx2[t] * qx2[t] > best * q22[t])) | \
+                    ((q23[t] > 0) & (qx3[t] * qx3[t] > best * q23[t]))
+        if hits == 0:
+            continue
+        for t in range(m):
+            for k in range(4):
+                sqx = tmp[17 * k + t]
+                sq2 = tmp[68 + 17 * k + t]
+                if sq2 > 0 and sqx * sqx > best * sq2:
+                    scale = sqx / sq2
+                    best = scale * sqx
+                    besti1 = i1
+                    besti2 = i1 + t
+                    best_k = k
+    return besti1, besti2, best_k, scale
+
+
+@njit(**INLINE)
+def _iq1_m_row(xr, qw, y, grid, kmap, neighbours):
+    n = IQ1M_BLOCK
+    weight = np.empty(QK_K, np.float32)     # the super-block's, read again by the final scale's fit
+    order = np.empty(n, np.int64)
+    L = np.empty(n, np.int64)
+    px0 = np.empty(n + 1, np.float32)
+    px1 = np.empty(n + 1, np.float32)
+    pw0 = np.empty(n + 1, np.float32)
+    pw1 = np.empty(n + 1, np.float32)
+    tmp = np.empty(8 * (n + 1), np.float32)
+    err = np.empty(24, np.float32)
+    scales = np.empty(QK_K // n, np.float32)
+    shifts = np.empty(QK_K // n, np.int64)
+    index = np.empty(2, np.int64)
+    sc = np.empty(4, np.int64)
+    for ibl in range(xr.shape[0] // QK_K):
+        p = IQ1M_BYTES * ibl
+        y[p:p + IQ1M_BYTES] = 0
+        o = QK_K * ibl
+        sigma2 = F32(2.0) * sum_sq(xr, o, QK_K) / F32(QK_K)
+        for i in range(QK_K):
+            xi = xr[o + i]
+            weight[i] = qw[o + i] * np.sqrt(sigma2 + xi * xi) if qw.shape[0] else xi * xi
+        max_scale = F32(0.0)
+        for ib in range(QK_K // n):
+            ob = o + n * ib
+            wo = n * ib
+            mx = abs(xr[ob])
+            for i in range(1, n):
+                a = abs(xr[ob + i])
+                mx = mx if mx > a else a
+            scales[ib] = F32(0.0)
+            shifts[ib] = 0
+            if mx < GROUP_MAX_EPS_IQ1_M:
+                continue
+            stable_order(xr, ob, n, order)
+            px0[0] = F32(0.0)
+            px1[0] = F32(0.0)
+            pw0[0] = F32(0.0)
+            pw1[0] = F32(0.0)
+            for j in range(n):
+                i = order[j]
+                wi = weight[wo + i]
+                wx = wi * xr[ob + i]
+                if i < n // 2:
+                    px0[j + 1] = px0[j] + wx
+                    pw0[j + 1] = pw0[j] + wi
+                    px1[j + 1] = px1[j]
+                    pw1[j + 1] = pw1[j]
+                else:
+                    px1[j + 1] = px1[j] + wx
+                    pw1[j + 1] = pw1[j] + wi
+                    px0[j + 1] = px0[j]
+                    pw0[j + 1] = pw0[j]
+            besti1, besti2, best_k, scale = _iq1_m_split(px0, px1, pw0, pw1, tmp)
+            if besti1 < 0 or besti2 < 0 or best_k < 0:
+                continue
+            for j in range(n):
+                L[order[j]] = 0 if j < besti1 else (1 if j < besti2 else 2)
+            if scale < 0:
+                for j in range(n):
+                    L[j] = 2 - L[j]
+                scale = -scale
+                best_k = 3 - best_k             # both halves' shifts flip
+            all_on_grid = True
+            for k in range(2):
+                gi, on_grid = group_index(L, 8 * k, grid, kmap, neighbours, xr, ob + 8 * k, weight, wo + 8 * k,
+                                          scale, _half_values(best_k, k), err)
+                index[k] = gi
+                all_on_grid = all_on_grid and on_grid
+            if not all_on_grid:
+                sumqx = F32(0.0)
+                sumq2 = F32(0.0)
+                for k in range(2):
+                    xx = _half_values(best_k, k)
+                    for j in range(8):
+                        w = weight[wo + 8 * k + j]
+                        q = xx[(grid[index[k], j] - 1) >> 1]
+                        sumqx += w * q * xr[ob + 8 * k + j]
+                        sumq2 += w * q * q
+                if sumqx > 0 and sumq2 > 0:
+                    scale = sumqx / sumq2
+            y[p + 2 * ib] = index[0] & 255
+            y[p + 2 * ib + 1] = index[1] & 255
+            y[p + 32 + ib] = (index[0] >> 8) | ((index[1] >> 8) << 4)
+            scales[ib] = scale
+            shifts[ib] = best_k
+            max_scale = max_scale if max_scale > scale else scale
+        if max_scale == 0:
+            continue
+        d = max_scale / F32(15.0)
+        idd = F32(1.0) / d
+        sc[:] = 0
+        sumqx = F32(0.0)
+        sumq2 = F32(0.0)
+        for ib in range(QK_K // n):
+            l = max(0, min(7, nearest_int(F32(0.5) * (idd * scales[ib] - F32(1.0)))))
+            sc[ib // 4] |= l << (3 * (ib % 4))
+            qh = np.int64(y[p + 32 + ib]) | IQ1M_SHIFT_BITS[shifts[ib]]
+            y[p + 32 + ib] = qh
+            sl = F32(2 * l + 1)
+            for k in range(2):
+                xx = _half_values(shifts[ib], k)
+                gi = np.int64(y[p + 2 * ib + k]) + ((qh << (8 - 4 * k)) & 0x700)
+                for j in range(8):
+                    w = weight[n * ib + 8 * k + j]
+                    q = xx[(grid[gi, j] - 1) >> 1] * sl
+                    sumqx += w * q * xr[o + n * ib + 8 * k + j]
+                    sumq2 += w * q * q
+        if sumq2 > 0:
+            d = sumqx / sumq2
+        s = fp32_to_fp16(d * IQ1M_FUDGE)
+        sc[0] |= (s & 0x000F) << 12
+        sc[1] |= (s & 0x00F0) << 8
+        sc[2] |= (s & 0x0F00) << 4
+        sc[3] |= s & 0xF000
+        for i in range(4):
+            put_u16(y, p + 48 + 2 * i, sc[i])
+
+
+@njit(**JIT)
+def iq1_m_rows(x, out, grid, kmap, neighbours):
+    for r in range(x.shape[0]):
+        _iq1_m_row(x[r], NO_WEIGHTS, out[r], grid, kmap, neighbours)
+
+
+@njit(**JIT)
+def iq1_m_impl_rows(x, qw, out, grid, kmap, neighbours):
+    for r in range(x.shape[0]):
+        _iq1_m_row(x[r], qw, out[r], grid, kmap, neighbours)
