@@ -53,44 +53,84 @@ IQ1M_SHIFT_BITS = np.array([0x00, 0x80, 0x08, 0x88], np.int64)
 @njit(**INLINE)
 def stable_order(x, o, n, order):
     """order[0:n] = the indices of x[o:o+n] sorted by value, equal values in index order (glibc's qsort, a
-    merge sort, keeps them so). Insertion sort: stable, and fast for n <= 32."""
+    merge sort, keeps them so). Each value's place is its rank: the values below it, and the equal ones
+    before it (one pass over all pairs, which vectorizes). With a NaN the ranks need not be a permutation:
+    then an insertion sort, stable and treating NaN as equal to all, as ggml's comparison does."""
     xs = x[o:o + n]
-    for j in range(n):
-        v = xs[j]
-        k = j
-        while k > 0 and xs[order[k - 1]] > v:
-            order[k] = order[k - 1]
-            k -= 1
-        order[k] = j
+    nan = False
+    for i in range(n):
+        v = xs[i]
+        nan |= v != v
+        rank = np.int32(0)
+        for j in range(i):
+            rank += np.int32(xs[j] <= v)
+        for j in range(i, n):
+            rank += np.int32(xs[j] < v)
+        order[rank] = i
+    if nan:
+        for j in range(n):
+            v = xs[j]
+            k = j
+            while k > 0 and xs[order[k - 1]] > v:
+                order[k] = order[k - 1]
+                k -= 1
+            order[k] = j
 
 
 @njit(**INLINE)
-def best_neighbour(grid, kmap, neighbours, u, x, o, w, wo, scale, xg, err):
+def point_levels(grid):
+    """(levels, head): each grid point's 8 levels (pg[i] - 1)/2, uint8 [n_points, 8], and the base-3 number
+    of its first 4, int64 [n_points] (its entry in best_neighbour's table of head sums)."""
+    n_points = grid.shape[0]
+    levels = np.empty((n_points, 8), np.uint8)
+    head = np.empty(n_points, np.int64)
+    for p in range(n_points):
+        for i in range(8):
+            levels[p, i] = (grid[p, i] - 1) >> 1
+        head[p] = levels[p, 0] + 3 * levels[p, 1] + 9 * levels[p, 2] + 27 * levels[p, 3]
+    return levels, head
+
+
+@njit(**INLINE)
+def best_neighbour(levels, head, kmap, neighbours, u, x, o, w, wo, scale, xg, err):
     """iq1_find_best_neighbour2 for the off-grid vector ``u``: the listed grid point with the least
-    sum of w*(scale*xg[level] - x)^2 over x[o:o+8], weights w[wo:wo+8] (the first of equal ones).
-    err: float32 scratch of 24."""
+    d2 = sum over i < 8 of w*(scale*xg[level_i] - x_i)^2, x = x[o:o+8], w = w[wo:wo+8] (the first of equal
+    ones). Each term is err[3*i + level]; ggml adds a point's 8 terms in order from 0, so the sum of the
+    first 4 is one of 81 values, tabulated once (err[24:105], indexed by ``head``), and each point adds its
+    last 4 terms to it. err: float32 scratch of 105."""
     for i in range(8):
         xi = x[o + i]
         wi = w[wo + i]
         for lv in range(3):
             diff = scale * xg[lv] - xi
             err[3 * i + lv] = wi * diff * diff
+    sums = err[24:105]                          # sums[l0 + 3*l1 + 9*l2 + 27*l3]
+    for l0 in range(3):
+        sums[l0] = F32(0.0) + err[l0]
+    for i in range(1, 4):
+        stride = 3 ** i
+        for lv in range(2, -1, -1):             # from the top: the lower part is read before it is replaced
+            for c in range(stride):
+                sums[lv * stride + c] = sums[c] + err[3 * i + lv]
     start = -kmap[u] - 1
     best = FLT_MAX
-    index = neighbours[start + 1]   # ggml would read out of bounds when no score is < FLT_MAX (inf input)
+    index = np.int64(neighbours[start + 1])     # ggml would read out of bounds when no d2 < FLT_MAX (inf input)
     for j in range(1, np.int64(neighbours[start]) + 1):
-        p = np.int64(neighbours[start + j])
-        d2 = F32(0.0)
-        for i in range(8):
-            d2 += err[3 * i + ((grid[p, i] - 1) >> 1)]
+        p = neighbours[start + j]
+        lp = levels[p]
+        d2 = sums[head[p]]
+        d2 += err[12 + lp[4]]
+        d2 += err[15 + lp[5]]
+        d2 += err[18 + lp[6]]
+        d2 += err[21 + lp[7]]
         if d2 < best:
             best = d2
-            index = p
-    return np.int64(index)
+            index = np.int64(p)
+    return index
 
 
 @njit(**INLINE)
-def group_index(L, lo, grid, kmap, neighbours, x, o, w, wo, scale, xg, err):
+def group_index(L, lo, levels, head, kmap, neighbours, x, o, w, wo, scale, xg, err):
     """The grid point of levels L[lo:lo+8]: kmap's, or the best neighbour if they are off the grid.
     Returns (index, on the grid)."""
     u = 0
@@ -99,7 +139,7 @@ def group_index(L, lo, grid, kmap, neighbours, x, o, w, wo, scale, xg, err):
     index = np.int64(kmap[u])
     if index >= 0:
         return index, True
-    return best_neighbour(grid, kmap, neighbours, u, x, o, w, wo, scale, xg, err), False
+    return best_neighbour(levels, head, kmap, neighbours, u, x, o, w, wo, scale, xg, err), False
 
 
 @njit(**INLINE)
@@ -111,6 +151,17 @@ def put_u16(y, pos, v):
 # ====================================================================================================
 # IQ1_S (quantize_row_iq1_s_impl; ggml asserts an imatrix)
 # ====================================================================================================
+
+@njit(**INLINE)
+def _first_pass_s(qxp, q2p, qxm, q2m, t0, m, best):
+    """The first t in [t0, m) where one of the two shifts' candidates passes ggml's test against ``best``,
+    else m. (A min over all t, without an early exit, so that it vectorizes.)"""
+    first = m
+    for t in range(t0, m):
+        ok = ((q2p[t] > 0) & (qxp[t] * qxp[t] > best * q2p[t])) | ((q2m[t] > 0) & (qxm[t] * qxm[t] > best * q2m[t]))
+        first = min(first, t if ok else m)
+    return first
+
 
 @njit(**INLINE)
 def _iq1_s_split(sumx, sumw, tmp):
@@ -147,13 +198,8 @@ def _iq1_s_split(sumx, sumw, tmp):
             q2p[t] = awp + bw * p1 * p1 + cw * p2 * p2
             qxm[t] = axm + bx * m1 + cx * m2
             q2m[t] = awm + bw * m1 * m1 + cw * m2 * m2
-        hits = 0
-        for t in range(m):
-            hits += ((q2p[t] > 0) & (qxp[t] * qxp[t] > best * q2p[t])) | \
-                    ((q2m[t] > 0) & (qxm[t] * qxm[t] > best * q2m[t]))
-        if hits == 0:
-            continue
-        for t in range(m):
+        t = _first_pass_s(qxp, q2p, qxm, q2m, 0, m, best)
+        while t < m:
             if q2p[t] > 0 and qxp[t] * qxp[t] > best * q2p[t]:
                 scale = qxp[t] / q2p[t]
                 best = scale * qxp[t]
@@ -166,11 +212,12 @@ def _iq1_s_split(sumx, sumw, tmp):
                 besti1 = i1
                 besti2 = i1 + t
                 best_shift = -1
+            t = _first_pass_s(qxp, q2p, qxm, q2m, t + 1, m, best)
     return besti1, besti2, best_shift, scale
 
 
 @njit(**INLINE)
-def _iq1_s_row(xr, qw, y, grid, kmap, neighbours):
+def _iq1_s_row(xr, qw, y, grid, levels, head, kmap, neighbours):
     n = IQ1S_BLOCK
     weight = np.empty(n, np.float32)
     order = np.empty(n, np.int64)
@@ -178,7 +225,7 @@ def _iq1_s_row(xr, qw, y, grid, kmap, neighbours):
     sumx = np.empty(n + 1, np.float32)
     sumw = np.empty(n + 1, np.float32)
     tmp = np.empty(4 * (n + 1), np.float32)
-    err = np.empty(24, np.float32)
+    err = np.empty(105, np.float32)
     scales = np.empty(QK_K // n, np.float32)
     shifts = np.empty(QK_K // n, np.int64)
     index = np.empty(4, np.int64)
@@ -221,7 +268,7 @@ def _iq1_s_row(xr, qw, y, grid, kmap, neighbours):
             xx = X_P if best_shift == 1 else X_M
             all_on_grid = True
             for k in range(n // 8):
-                gi, on_grid = group_index(L, 8 * k, grid, kmap, neighbours, xr, ob + 8 * k, weight, 8 * k,
+                gi, on_grid = group_index(L, 8 * k, levels, head, kmap, neighbours, xr, ob + 8 * k, weight, 8 * k,
                                           scale, xx, err)
                 index[k] = gi
                 all_on_grid = all_on_grid and on_grid
@@ -258,8 +305,9 @@ def _iq1_s_row(xr, qw, y, grid, kmap, neighbours):
 
 @njit(**JIT)
 def iq1_s_impl_rows(x, qw, out, grid, kmap, neighbours):
+    levels, head = point_levels(grid)
     for r in range(x.shape[0]):
-        _iq1_s_row(x[r], qw, out[r], grid, kmap, neighbours)
+        _iq1_s_row(x[r], qw, out[r], grid, levels, head, kmap, neighbours)
 
 
 # ====================================================================================================
@@ -275,11 +323,14 @@ def _half_values(k, half):
 
 
 @njit(**INLINE)
-def _iq1_m_split(px0, px1, pw0, pw1, tmp):
+def _iq1_m_split(px0, px1, pw0, pw1):
     """The best (i1, i2, k) of the 153 splits x 4 shift combinations of a 16-value sub-block, and its scale,
     from the prefix sums of w*x (px) and w (pw) of each half, in sorted order [17]. ggml rewrites each half's
-    3-group sums as total*v[2] - px[i1] - px[i2] (and likewise for w): its operations, in its order.
-    k -1 when no candidate has sumq2 > 0. tmp: float32 scratch of 8*17."""
+    3-group sums as total*v[2] - px[i1] - px[i2] (and likewise for w): its operations, in its order; the
+    terms of i1 alone are formed once per i1. k -1 when no candidate has sumq2 > 0.
+
+    A plain walk: here the best improves at most steps of the first rows (about 30 times per sub-block), so
+    the screening of _iq1_s_split would rescreen after nearly every step, and cost more than it saves."""
     n = IQ1M_BLOCK
     p2 = X_P[2]
     m2 = X_M[2]
@@ -295,8 +346,6 @@ def _iq1_m_split(px0, px1, pw0, pw1, tmp):
     wm0 = pw0[n] * m2 * m2
     wp1 = pw1[n] * p2 * p2
     wm1 = pw1[n] * m2 * m2
-    qx0, qx1, qx2, qx3 = tmp[0:17], tmp[17:34], tmp[34:51], tmp[51:68]
-    q20, q21, q22, q23 = tmp[68:85], tmp[85:102], tmp[102:119], tmp[119:136]
     best = -FLT_MAX
     scale = F32(0.0)
     besti1 = -1
@@ -305,52 +354,39 @@ def _iq1_m_split(px0, px1, pw0, pw1, tmp):
     for i1 in range(n + 1):
         a0 = px0[i1]
         a1 = px1[i1]
-        b0 = pw0[i1]
-        b1 = pw1[i1]
-        m = n + 1 - i1
-        for t in range(m):
-            i2 = i1 + t
+        hp0 = wp0 + pw0[i1] * cp1
+        hm0 = wm0 + pw0[i1] * cm1
+        hp1 = wp1 + pw1[i1] * cp1
+        hm1 = wm1 + pw1[i1] * cm1
+        for i2 in range(i1, n + 1):
             sx0 = a0 + px0[i2]
             sx1 = a1 + px1[i2]
             qxp0 = tp0 - sx0
             qxm0 = tm0 - sx0
             qxp1 = tp1 - sx1
             qxm1 = tm1 - sx1
-            q2p0 = wp0 + b0 * cp1 + pw0[i2] * cp2
-            q2m0 = wm0 + b0 * cm1 + pw0[i2] * cm2
-            q2p1 = wp1 + b1 * cp1 + pw1[i2] * cp2
-            q2m1 = wm1 + b1 * cm1 + pw1[i2] * cm2
-            qx0[t] = qxp0 + qxp1
-            qx1[t] = qxp0 + qxm1
-            qx2[t] = qxm0 + qxp1
-            qx3[t] = qxm0 + qxm1
-            q20[t] = q2p0 + q2p1
-            q21[t] = q2p0 + q2m1
-            q22[t] = q2m0 + q2p1
-            q23[t] = q2m0 + q2m1
-        hits = 0
-        for t in range(m):
-            hits += ((q20[t] > 0) & (qx0[t] * qx0[t] > best * q20[t])) | \
-                    ((q21[t] > 0) & (qx1[t] * qx1[t] > best * q21[t])) | \
-                    ((q22[t] > 0) & (qx2[t] * qx2[t] > best * q22[t])) | \
-                    ((q23[t] > 0) & (qx3[t] * qx3[t] > best * q23[t]))
-        if hits == 0:
-            continue
-        for t in range(m):
+            q2p0 = hp0 + pw0[i2] * cp2
+            q2m0 = hm0 + pw0[i2] * cm2
+            q2p1 = hp1 + pw1[i2] * cp2
+            q2m1 = hm1 + pw1[i2] * cm2
             for k in range(4):
-                sqx = tmp[17 * k + t]
-                sq2 = tmp[68 + 17 * k + t]
+                qx0 = qxp0 if k < 2 else qxm0
+                q20 = q2p0 if k < 2 else q2m0
+                sqx = qx0 + (qxp1 if k % 2 == 0 else qxm1)
+                sq2 = q20 + (q2p1 if k % 2 == 0 else q2m1)
                 if sq2 > 0 and sqx * sqx > best * sq2:
                     scale = sqx / sq2
                     best = scale * sqx
                     besti1 = i1
-                    besti2 = i1 + t
+                    besti2 = i2
                     best_k = k
     return besti1, besti2, best_k, scale
 
 
 @njit(**INLINE)
-def _iq1_m_row(xr, qw, y, grid, kmap, neighbours):
+def _iq1_m_row(xr, qw, y, grid, levels, head, kmap, neighbours, sort):
+    """One row of quantize_row_iq1_m_impl; ``sort`` orders a sub-block's values (stable_order, glibc's; a
+    parameter so that a test can show that another tie order changes the bytes)."""
     n = IQ1M_BLOCK
     weight = np.empty(QK_K, np.float32)     # the super-block's, read again by the final scale's fit
     order = np.empty(n, np.int64)
@@ -359,8 +395,7 @@ def _iq1_m_row(xr, qw, y, grid, kmap, neighbours):
     px1 = np.empty(n + 1, np.float32)
     pw0 = np.empty(n + 1, np.float32)
     pw1 = np.empty(n + 1, np.float32)
-    tmp = np.empty(8 * (n + 1), np.float32)
-    err = np.empty(24, np.float32)
+    err = np.empty(105, np.float32)
     scales = np.empty(QK_K // n, np.float32)
     shifts = np.empty(QK_K // n, np.int64)
     index = np.empty(2, np.int64)
@@ -385,7 +420,7 @@ def _iq1_m_row(xr, qw, y, grid, kmap, neighbours):
             shifts[ib] = 0
             if mx < GROUP_MAX_EPS_IQ1_M:
                 continue
-            stable_order(xr, ob, n, order)
+            sort(xr, ob, n, order)
             px0[0] = F32(0.0)
             px1[0] = F32(0.0)
             pw0[0] = F32(0.0)
@@ -404,7 +439,7 @@ def _iq1_m_row(xr, qw, y, grid, kmap, neighbours):
                     pw1[j + 1] = pw1[j] + wi
                     px0[j + 1] = px0[j]
                     pw0[j + 1] = pw0[j]
-            besti1, besti2, best_k, scale = _iq1_m_split(px0, px1, pw0, pw1, tmp)
+            besti1, besti2, best_k, scale = _iq1_m_split(px0, px1, pw0, pw1)
             if besti1 < 0 or besti2 < 0 or best_k < 0:
                 continue
             for j in range(n):
@@ -416,7 +451,7 @@ def _iq1_m_row(xr, qw, y, grid, kmap, neighbours):
                 best_k = 3 - best_k             # both halves' shifts flip
             all_on_grid = True
             for k in range(2):
-                gi, on_grid = group_index(L, 8 * k, grid, kmap, neighbours, xr, ob + 8 * k, weight, wo + 8 * k,
+                gi, on_grid = group_index(L, 8 * k, levels, head, kmap, neighbours, xr, ob + 8 * k, weight, wo + 8 * k,
                                           scale, _half_values(best_k, k), err)
                 index[k] = gi
                 all_on_grid = all_on_grid and on_grid
@@ -472,11 +507,13 @@ def _iq1_m_row(xr, qw, y, grid, kmap, neighbours):
 
 @njit(**JIT)
 def iq1_m_rows(x, out, grid, kmap, neighbours):
+    levels, head = point_levels(grid)
     for r in range(x.shape[0]):
-        _iq1_m_row(x[r], NO_WEIGHTS, out[r], grid, kmap, neighbours)
+        _iq1_m_row(x[r], NO_WEIGHTS, out[r], grid, levels, head, kmap, neighbours, stable_order)
 
 
 @njit(**JIT)
 def iq1_m_impl_rows(x, qw, out, grid, kmap, neighbours):
+    levels, head = point_levels(grid)
     for r in range(x.shape[0]):
-        _iq1_m_row(x[r], qw, out[r], grid, kmap, neighbours)
+        _iq1_m_row(x[r], qw, out[r], grid, levels, head, kmap, neighbours, stable_order)
