@@ -176,3 +176,19 @@ def test_iq1_s_scale_validated_as_ggml():
     assert not ggml.ggml_validate_row_data(q, QT.IQ1_S)
     with pytest.raises(InvalidBlockError, match="inf value at block 1"):
         validate_blocks(q, QT.IQ1_S)
+
+
+def test_iq1_m_split_scale_validated_as_ggml():
+    """IQ1_M's fp16 scale lies in the top nibbles of scales[8]: an inf or NaN there is refused, as ggml does."""
+    rng = rng_for("iq1/validate-m")
+    q = quantize(bf16_rows(rng, 1), QT.IQ1_M).reshape(-1, 56).copy()
+    assert ggml.ggml_validate_row_data(q, QT.IQ1_M)
+    validate_blocks(q, QT.IQ1_M)
+    for fp16, what in ((0x7C00, "inf"), (0x7E00, "nan")):
+        bad = q.copy()
+        sc = bad[:, 48:56].view("<u2")
+        sc[2] &= 0x0FFF
+        sc[2] |= np.array([(fp16 >> 4 * k & 0xF) << 12 for k in range(4)], np.uint16)
+        assert not ggml.ggml_validate_row_data(bad, QT.IQ1_M)
+        with pytest.raises(InvalidBlockError, match=f"{what} value at block 2"):
+            validate_blocks(bad, QT.IQ1_M)

@@ -336,9 +336,15 @@ class IQ1_S(GridType, BlockType, qtype=QT.IQ1_S):
 class IQ1_M(GridType, BlockType, qtype=QT.IQ1_M):
     mirrors = "quantize_row_iq1_m_impl (weights x^2)"
     mirrors_imatrix = "quantize_row_iq1_m_impl"
-    # its fp16 scale lies in the top nibbles of scales[8]: no byte offset (see validate_blocks)
     _ref = _rows("iq1", "iq1_m_rows", tables=GRID_TABLES)
     _impl = _weighted("iq1", "iq1_m_impl_rows", tables=GRID_TABLES)
+
+    @staticmethod
+    def split_fp16_scale(blocks: np.ndarray) -> np.ndarray:
+        """The fp16 bits of each block's scale (uint16 [n_blocks]): the top nibbles of its 4 uint16 scales
+        (bytes 48..55), low nibble first, as ggml_validate_row_data and dequantize_row_iq1_m read it."""
+        sc = np.ascontiguousarray(blocks[:, 48:56]).view("<u2")
+        return (sc[:, 0] >> 12) | ((sc[:, 1] >> 8) & 0x00F0) | ((sc[:, 2] >> 4) & 0x0F00) | (sc[:, 3] & 0xF000)
 
 
 def block_type(qtype: QT) -> type[BlockType]:
@@ -526,6 +532,10 @@ def validate_blocks(data: np.ndarray, qtype: QT) -> None:
             invalid = blocks[:, o] == 0xFF
             if invalid.any():
                 raise InvalidBlockError(bt.qtype, int(np.argmax(invalid)), "invalid e")
+        split_scale = getattr(bt, "split_fp16_scale", None)
+        if split_scale is not None:                 # IQ1_M: its fp16 scale spread over nibbles
+            h = split_scale(blocks)
+            _raise_first(bt.qtype, (h & 0x7C00) == 0x7C00, (h & 0x03FF) != 0)
         # an fp16 is Inf or NaN when its exponent bits (0x7C of its high, second byte) are all set; one byte
         # read per scale, and the [n_blocks, n_scales] table (in the order ggml checks them: d before dmin)
         # made only when one is
