@@ -30,7 +30,8 @@ from kimi_interop.ggml_quants import ggml_quantize  # noqa: E402
 from kimi_convert.quant import quantize  # noqa: E402
 from kimi_convert.quant.blocks import block_type  # noqa: E402
 
-TYPES = "Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,Q2_K,Q3_K,Q4_K,Q5_K,Q6_K,IQ4_NL,IQ4_XS,IQ2_XXS,IQ2_XS,IQ2_S,TQ1_0,TQ2_0,Q1_0,Q2_0,MXFP4,NVFP4,F16,BF16,F32"
+TYPES = ("Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,Q2_K,Q3_K,Q4_K,Q5_K,Q6_K,IQ4_NL,IQ4_XS,TQ1_0,TQ2_0,Q1_0,Q2_0,MXFP4,NVFP4,F16,BF16,F32,"
+         "IQ2_XXS,IQ2_XS,IQ2_S,IQ3_XXS,IQ3_S,IQ1_S,IQ1_M")
 
 
 def weights_like(n_rows: int, width: int, seed: int = 0) -> np.ndarray:
@@ -81,7 +82,7 @@ def main() -> int:
             if with_im and not block_type(qt).uses_imatrix():
                 continue   # the imatrix is not used by this type (F32, F16, BF16, Q8_0, the low-bit types)
             if not with_im and block_type(qt).ggml_requires_imatrix:
-                continue   # ggml quantizes it only with an imatrix (IQ2_XXS, IQ2_XS)
+                continue   # ggml asserts an imatrix (IQ1_S, IQ2_XXS, IQ2_XS)
             qw = im if with_im else None
             quantize(x[:2], qt, qw)  # compile / load the kernels outside the timing
             for nt in threads:

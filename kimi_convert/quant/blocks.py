@@ -345,6 +345,36 @@ class NVFP4(BlockType, qtype=QT.NVFP4):
     _ref = _rows("lowbit", "nvfp4_rows")
 
 
+# --- IQ1 family: IQ1_S, IQ1_M (kernels.iq1; grid kgrid_1bit_2048, IQ1_M reads IQ1_S's tables) ---
+
+class IQ1_S(GridType, BlockType, qtype=QT.IQ1_S):
+    mirrors = "quantize_row_iq1_s_impl"     # ggml asserts quant_weights: no row of it without an imatrix
+    mirrors_imatrix = "quantize_row_iq1_s_impl"
+    ggml_requires_imatrix = True
+    scale_offsets = (0,)
+    _impl = _weighted("iq1", "iq1_s_impl_rows", tables=GRID_TABLES)
+
+    @classmethod
+    def quantize_rows(cls, x, imatrix, out):
+        if imatrix is None:
+            raise ValueError("IQ1_S: ggml quantizes it only with an imatrix (quantize_row_iq1_s_impl asserts one)")
+        super().quantize_rows(x, imatrix, out)
+
+
+class IQ1_M(GridType, BlockType, qtype=QT.IQ1_M):
+    mirrors = "quantize_row_iq1_m_impl (weights x^2)"
+    mirrors_imatrix = "quantize_row_iq1_m_impl"
+    _ref = _rows("iq1", "iq1_m_rows", tables=GRID_TABLES)
+    _impl = _weighted("iq1", "iq1_m_impl_rows", tables=GRID_TABLES)
+
+    @staticmethod
+    def split_fp16_scale(blocks: np.ndarray) -> np.ndarray:
+        """The fp16 bits of each block's scale (uint16 [n_blocks]): the top nibbles of its 4 uint16 scales
+        (bytes 48..55), low nibble first, as ggml_validate_row_data and dequantize_row_iq1_m read it."""
+        sc = np.ascontiguousarray(blocks[:, 48:56]).view("<u2")
+        return (sc[:, 0] >> 12) | ((sc[:, 1] >> 8) & 0x00F0) | ((sc[:, 2] >> 4) & 0x0F00) | (sc[:, 3] & 0xF000)
+
+
 def block_type(qtype: QT) -> type[BlockType]:
     try:
         return _REGISTRY[ggml_type(qtype)]
@@ -532,6 +562,10 @@ def validate_blocks(data: np.ndarray, qtype: QT) -> None:
             invalid = blocks[:, o] == 0xFF
             if invalid.any():
                 raise InvalidBlockError(bt.qtype, int(np.argmax(invalid)), "invalid e")
+        split_scale = getattr(bt, "split_fp16_scale", None)
+        if split_scale is not None:                 # IQ1_M: its fp16 scale spread over nibbles
+            h = split_scale(blocks)
+            _raise_first(bt.qtype, (h & 0x7C00) == 0x7C00, (h & 0x03FF) != 0)
         # an fp16 is Inf or NaN when its exponent bits (0x7C of its high, second byte) are all set; one byte
         # read per scale, and the [n_blocks, n_scales] table (in the order ggml checks them: d before dmin)
         # made only when one is
