@@ -23,7 +23,8 @@ from kimi_convert.tensor_map import gguf_tensor_types
 from test_convert_errors import assert_fails_cleanly
 from test_quantize_cli import quantize
 
-K3_PRESETS = ("k3-native", "k3-q4", "k3-q2")
+K3_PRESETS = ("k3-native", "k3-q4", "k3-q2", "k3-iq1", "k3-iq2")
+IQ_PRESETS = {"k3-iq1": 600, "k3-iq2": 800}       # issue 17: at most these GB of tensor data on the real model
 GB = 1e9                      # quant-presets.md sizes are decimal GB
 EXPERTS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 
@@ -105,10 +106,49 @@ def test_protections_hold_on_real_shapes(preset):
     if preset == "k3-q2":
         assert {d.name.rsplit(".", 2)[-2]: d.target for d in experts} == {
             "ffn_gate_exps": QT.Q2_K, "ffn_up_exps": QT.Q2_K, "ffn_down_exps": QT.Q3_K}
+    elif preset in IQ_PRESETS:
+        assert not any(d.copied for d in experts)
     else:
         assert all(d.copied for d in experts)
     f32 = [d for d in k31.decisions if d.source == QT.F32 and ".indexer." not in d.name]
     assert f32 and all(d.copied and d.protection is not None for d in f32)     # norms, router, scores, conv
+
+
+# K3 in 600 and 800 GB (issue 17): the budget, on both models, and the bits spent as the preset files say
+BITS = {QT.IQ1_S: 1.5625, QT.IQ1_M: 1.75, QT.IQ2_XXS: 2.0625, QT.IQ2_XS: 2.3125, QT.IQ3_XXS: 3.0625}
+
+
+@pytest.mark.parametrize("preset", IQ_PRESETS)
+def test_iq_presets_fit_their_budget_on_k3_and_k31(preset):
+    for arch in ("k3", "k31"):
+        size = real_plan(preset, arch).target_bytes / GB
+        # at most the budget, and not more than 1% below it: the preset spends what the machine has
+        assert 0.99 * IQ_PRESETS[preset] <= size <= IQ_PRESETS[preset], (arch, size)
+
+
+@pytest.mark.parametrize("preset", IQ_PRESETS)
+def test_iq_presets_spend_the_bits_where_they_matter(preset):
+    plan = real_plan(preset, "k3")
+    by_name = {d.name: d for d in plan.decisions}
+    always_active = [d for d in plan.decisions if not d.copied and not d.name.endswith(EXPERTS)]
+    # KDA, MLA, shared experts, latent projections, blk.0, embeddings, output: Q8_0 (BF16 for KDA gate/beta)
+    assert always_active and {d.target for d in always_active} <= {QT.Q8_0, QT.BF16}
+    assert sum(d.target_bytes for d in always_active) / GB > 55
+
+    def bits(layer: int, proj: str) -> float:
+        return BITS[by_name[f"blk.{layer}.ffn_{proj}_exps.weight"].target]
+    moe = range(1, 93)
+    for layer in moe:
+        assert bits(layer, "down") >= bits(layer, "gate") == bits(layer, "up")     # down above gate/up
+        assert bits(1, "down") >= bits(layer, "down") and bits(1, "gate") >= bits(layer, "gate")
+    assert bits(1, "down") > bits(92, "down")                                       # the first MoE layers above
+
+
+@pytest.mark.parametrize("preset", IQ_PRESETS)
+def test_iq_presets_require_imatrix_and_allow_requantize(preset):
+    assert load_policy(preset).requires == ("imatrix", "allow-requantize")
+    plan = plan_quantization(real_tensors("k3"), load_policy(preset), allow_requantize=False)
+    assert {c.protection.kind for c in plan.conflicts} == {"mxfp4"}
 
 
 def test_k3_q2_without_allow_requantize_would_copy_the_experts():
@@ -187,7 +227,8 @@ def out_dir(tmp_path):
 
 @pytest.mark.parametrize("preset", ["q8_0", *K3_PRESETS])
 def test_explain_each_preset(preset, k31):
-    extra = ["--allow-requantize"] if preset == "k3-q2" else []
+    requantizes = preset == "k3-q2" or preset in IQ_PRESETS
+    extra = ["--allow-requantize"] if requantizes else []
     r = quantize("--policy", preset, k31, "--explain", *extra)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
@@ -199,6 +240,10 @@ def test_explain_each_preset(preset, k31):
     if preset == "k3-q2":
         assert "(requires: imatrix, allow-requantize)" in lines[0]
         assert experts and all("MXFP4 -> Q3_K" in x and "llama-quantize's own Q2_K mixture" in x for x in experts)
+        assert "writing the file needs --imatrix FILE" in r.stderr
+    elif preset in IQ_PRESETS:
+        assert "(requires: imatrix, allow-requantize)" in lines[0]
+        assert experts and all(re.search(r"MXFP4 -> IQ\d", x) and "ffn_down" in x for x in experts)
         assert "writing the file needs --imatrix FILE" in r.stderr
     else:
         assert experts and all("MXFP4 -> MXFP4" in x and "protected (mxfp4)" in x for x in experts)

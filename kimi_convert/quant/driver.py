@@ -269,7 +269,7 @@ def estimate(plan: QuantPlan, sample_rows: int = 64, n_per_row: int = 4096) -> E
     """Output bytes and time per target type: copies at COPY_BYTES_PER_S, quantization at the speed a
     sample of `sample_rows` x `n_per_row` values is quantized here, per type (NaN for a type that cannot be
     written yet; the total is then NaN too)."""
-    from .blocks import quantize, supported_types       # noqa: PLC0415
+    from .blocks import block_type, quantize, supported_types       # noqa: PLC0415
     x = np.random.default_rng(0).standard_normal((sample_rows, n_per_row)).astype(np.float32)
     speed: dict[QT, float] = {}
     groups: dict[str, list[Decision]] = {}
@@ -286,9 +286,12 @@ def estimate(plan: QuantPlan, sample_rows: int = 64, n_per_row: int = 4096) -> E
             if qtype not in supported_types():
                 speed[qtype] = float("nan")
             if qtype not in speed:
-                quantize(x[:1], qtype)                      # compile / warm up
+                # with importance weights where the type uses them: the i-quants need them (ggml asserts one for
+                # IQ1_S, IQ2_XXS, IQ2_XS), and their imatrix path is the one a low-bit plan runs
+                qw = np.ones(n_per_row, np.float32) if block_type(qtype).uses_imatrix() else None
+                quantize(x[:1], qtype, qw)                  # compile / warm up
                 t0 = time.perf_counter()
-                quantize(x, qtype)
+                quantize(x, qtype, qw)
                 speed[qtype] = x.size / max(time.perf_counter() - t0, 1e-9)
             seconds = sum(int(np.prod(d.shape, dtype=np.int64)) for d in ds) / speed[qtype] \
                 + sum(d.source_bytes for d in ds) / COPY_BYTES_PER_S
