@@ -2,7 +2,7 @@
 fixture with BF16 experts: every tensor byte for byte, its type and shape, and every key (general.file_type too),
 for every file type whose types kimi-quantize writes today (and F16); with an imatrix for the file type that
 requires one (Q2_K_S) and for one of each rule that depends on having one (Q4_0: Q4_1 with it; IQ4_XS: Q5_K
-without it; Q5_0 and IQ4_NL take the same two branches).
+without it; Q5_0 and IQ4_NL take the same two branches), and for the grid i-quants' mixtures, which require one.
 
 The fixture has 8 layers, so that n_layer/8 = 1 and the rules for "the first n/8 layers" fire (on blk.0's
 ffn_down), use_more_bits picks layers 0, 2, 5, 7, and Q3_K_M's "first 2 attn_v" and Q4_K_S's "first 4" split the
@@ -29,8 +29,11 @@ from test_quantize import IMATRIX_KEYS, assert_same_file
 SIZES = dict(n_layers=8, hidden=256, moe_intermediate_size=256, routed_expert_hidden_size=256, intermediate_size=256,
              num_experts=2, num_experts_per_token=1, num_shared_experts=1, seed=3)
 WRITABLE = ["Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K", "Q8_0", "Q4_0",
-            "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS", "F16"]
+            "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS", "F16", "TQ1_0", "TQ2_0", "Q1_0", "IQ3_S"]
 WITH_IMATRIX = ["Q2_K_S", "Q4_0", "IQ4_XS"]
+# the grid i-quants' mixtures, which llama-quantize makes only with an imatrix (IQ2_XXS and IQ1_M, on a bigger
+# fixture, are tests/test_interop_lowbit.py's): every grid type's kernel in a whole file
+GRID_MIXTURES = ["IQ1_S", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ3_XXS", "IQ3_XS", "IQ3_M"]
 
 
 @pytest.fixture(scope="module")
@@ -71,3 +74,12 @@ def test_mixture_with_imatrix_equals_llama_quantize(k3, tmp_path, name):
     # test above compares); Q2_K_S gives it Q4_K either way
     assert down.target == {"Q2_K_S": QT.Q4_K, "Q4_0": QT.Q4_1, "IQ4_XS": QT.IQ4_XS}[name], down
     assert "layer 0 of 8 < n/8" in down.why or name == "IQ4_XS", down
+
+
+@pytest.mark.parametrize("name", GRID_MIXTURES)
+def test_grid_mixture_equals_llama_quantize(k3, tmp_path, name):
+    src, imatrix, vectors = k3
+    ours = quantize_file(src, tmp_path / "ours.gguf", load_policy(name), imatrix=imatrix)
+    theirs = llama_quantize(src, tmp_path / "theirs.gguf", FILE_TYPES[name].ftype, pure=False, imatrix=vectors)
+    assert_same_file(ours.paths[0], theirs, key_differences=IMATRIX_KEYS)
+    assert FILE_TYPES[name].default in {d.target for d in ours.plan.decisions}, name

@@ -586,6 +586,11 @@ def compare_quantized(p, t: GGUFTensor, ckpt: Checkpoint, cfg: KimiConfig, imatr
     bt = block_type(t.qtype)
     d = Decision(p.name, p.shape, QT.F32, t.qtype, "the file's type")
     vector = imatrix_vectors(QuantPlan([d]), imatrix, []).get(p.name) if imatrix is not None else None
+    if vector is None and bt.ggml_requires_imatrix:     # IQ1_S, IQ2_XXS, IQ2_XS: no blocks exist without one
+        return row | {"mode": UNCHECKED, "ok": None,
+                      "detail": f"not checked (n/a): ggml quantizes {t.qtype.name} only with an imatrix, and "
+                                + ("none was given (--imatrix)" if imatrix is None else
+                                   "the imatrix has no vector for this tensor")}
     stored = t.raw.reshape(-1, t.raw.shape[-1]).view(np.uint8)      # rows of bytes (F16: of values)
     read = converted_rows(p, ckpt, cfg)
     via, chunks = _closest_conversion(d, read, vector, stored, converted_types(p))
@@ -712,7 +717,7 @@ def check_tensors(part: Part, plan, gf: GGUFFile, log: Callable[[str], None], im
 # how compare_tensor judges a tensor, in the summary's words
 UNCHECKED = "unchecked"
 VALUE_MODES = {"exact": "bit-exact", "ulp": "ssm_a within 4 ulp", "quantized": "quantized byte for byte"}
-OTHER_MODES = {"shape": "of another shape", "missing": "missing", UNCHECKED: "not checked (no quantizer here)"}
+OTHER_MODES = {"shape": "of another shape", "missing": "missing", UNCHECKED: "not checked (n/a)"}
 
 
 def unchecked_note(part: Part) -> str | None:
@@ -721,9 +726,12 @@ def unchecked_note(part: Part) -> str | None:
     if not names:
         return None
     types = ", ".join(part.figures["unchecked_types"])
-    return (f"tensors: {len(names)} quantized tensor(s) ({types}) not checked against their source (n/a): no "
-            f"byte-exact quantizer for {'these types' if ',' in types else 'this type'} here yet; their values "
-            f"are still run by the runtime and the reference")
+    # the reason: no byte-exact quantizer here for the type, or an imatrix-only type (IQ1_S, IQ2_XXS, IQ2_XS)
+    # checked without the imatrix that made it
+    reasons = sorted({r["detail"].split(": ", 1)[1] for r in part.rows
+                      if r.get("ok") is None and r.get("mode") == UNCHECKED})
+    return (f"tensors: {len(names)} quantized tensor(s) ({types}) not checked against their source (n/a): "
+            f"{'; '.join(reasons)}; their values are still run by the runtime and the reference")
 
 
 def _modes_summary(by_mode: dict[str, int], matched: dict[str, int]) -> str:
