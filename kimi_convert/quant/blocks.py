@@ -273,6 +273,16 @@ class IQ4_XS(BlockType, qtype=QT.IQ4_XS):
     _impl = _weighted("iq4", "iq4_xs_impl_rows")
 
 
+# --- IQ3 family: 3-bit grid i-quants, imatrix optional (kernels.iq3) ---
+
+class IQ3_XXS(GridType, BlockType, qtype=QT.IQ3_XXS):
+    mirrors = "quantize_row_iq3_xxs_impl (256, weights x^2)"
+    mirrors_imatrix = "quantize_row_iq3_xxs_impl (256)"
+    scale_offsets = (0,)
+    _ref = _rows("iq3", "iq3_xxs_rows", tables=GRID_TABLES)
+    _impl = _weighted("iq3", "iq3_xxs_impl_rows", tables=GRID_TABLES)
+
+
 # --- low-bit types, none of which uses the imatrix (kernels.lowbit) ---
 
 def _dequantizer(name: str) -> Kernel:
