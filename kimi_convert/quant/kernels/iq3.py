@@ -39,7 +39,8 @@ MAX_CANDIDATES = 2 * XXS_SCAN + 1
 @njit(**INLINE)
 def _best_neighbour(grid, neighbours, start, xval, waux, o, scale):
     """iq3_find_best_neighbour: of the grid ids listed at neighbours[start] (count, ids...), the first with the
-    least sum waux*(scale*q - x)^2 over the group xval[o:o+4]."""
+    least sum waux*(scale*q - x)^2 over the group xval[o:o+4]. Where none is below FLT_MAX (values so large
+    that the sums overflow, |x| > ~1e12) ggml aborts; here the first listed one is taken, a valid block."""
     best_d2 = FLT_MAX
     best = -1
     for j in range(1, np.int64(neighbours[start]) + 1):
@@ -51,7 +52,7 @@ def _best_neighbour(grid, neighbours, start, xval, waux, o, scale):
         if d2 < best_d2:
             best_d2 = d2
             best = g
-    return best
+    return best if best >= 0 else np.int64(neighbours[start + 1])
 
 
 @njit(**INLINE)
@@ -291,6 +292,7 @@ def _iq3_s_row(xr, qw, y, grid, kmap, neighbours):
             sumx2 += xr[o + i] * xr[o + i]
         sigma2 = F32(2.0) * sumx2 / F32(QK_K)
         max_scale = F32(0.0)
+        n_stored = 0        # ggml's qs and signs pointers advance past stored sub-blocks only (see below)
         for ib in range(8):
             xo = o + 32 * ib
             _sub_block_weights(xr, xo, qw, sigma2, weight, waux)
@@ -307,14 +309,18 @@ def _iq3_s_row(xr, qw, y, grid, kmap, neighbours):
                 scale = -scale
                 for k in range(4):
                     block_signs[k] = (~block_signs[k]) & 0xFF
+            # a sub-block skipped above (max 0) does not move ggml's qs and signs pointers: the grid indices
+            # and signs of the next stored one land in its place, those of the last ones stay 0. qh and
+            # the scales are indexed by sub-block.
             qh = 0
             for k in range(8):
                 g = np.int64(kmap[_pack(L, 4 * k)])
-                y[p + 2 + 8 * ib + k] = g & 255
+                y[p + 2 + 8 * n_stored + k] = g & 255
                 qh |= (g >> 8) << k
             y[p + 66 + ib] = qh
             for k in range(4):
-                y[p + 74 + 4 * ib + k] = block_signs[k]
+                y[p + 74 + 4 * n_stored + k] = block_signs[k]
+            n_stored += 1
             scales[ib] = scale
             max_scale = max_scale if max_scale > scale else scale
         if max_scale == 0:
