@@ -30,7 +30,7 @@ from kimi_convert.interop.ggml_quants import ggml_quantize  # noqa: E402
 from kimi_convert.quant import quantize  # noqa: E402
 from kimi_convert.quant.blocks import block_type  # noqa: E402
 
-TYPES = "Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,Q2_K,Q3_K,Q4_K,Q5_K,Q6_K,IQ4_NL,IQ4_XS,TQ1_0,TQ2_0,Q1_0,Q2_0,MXFP4,NVFP4,F16,BF16,F32"
+TYPES = "Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,Q2_K,Q3_K,Q4_K,Q5_K,Q6_K,IQ4_NL,IQ4_XS,IQ3_XXS,IQ3_S,TQ1_0,TQ2_0,Q1_0,Q2_0,MXFP4,NVFP4,F16,BF16,F32"
 
 
 def weights_like(n_rows: int, width: int, seed: int = 0) -> np.ndarray:
