@@ -301,6 +301,24 @@ class IQ2_S(GridType, BlockType, qtype=QT.IQ2_S):
     _impl = _weighted("iq2", "iq2_s_impl_rows", GRID_TABLES)
 
 
+# --- IQ3 family: 3-bit grid i-quants, imatrix optional (kernels.iq3) ---
+
+class IQ3_XXS(GridType, BlockType, qtype=QT.IQ3_XXS):
+    mirrors = "quantize_row_iq3_xxs_impl (256, weights x^2)"
+    mirrors_imatrix = "quantize_row_iq3_xxs_impl (256)"
+    scale_offsets = (0,)
+    _ref = _rows("iq3", "iq3_xxs_rows", tables=GRID_TABLES)
+    _impl = _weighted("iq3", "iq3_xxs_impl_rows", tables=GRID_TABLES)
+
+
+class IQ3_S(GridType, BlockType, qtype=QT.IQ3_S):
+    mirrors = "quantize_iq3_s -> quantize_row_iq3_s_impl (32, weights x^2)"
+    mirrors_imatrix = "quantize_iq3_s -> quantize_row_iq3_s_impl (32)"
+    scale_offsets = (0,)
+    _ref = _rows("iq3", "iq3_s_rows", tables=GRID_TABLES)
+    _impl = _weighted("iq3", "iq3_s_impl_rows", tables=GRID_TABLES)
+
+
 # --- low-bit types, none of which uses the imatrix (kernels.lowbit) ---
 
 def _dequantizer(name: str) -> Kernel:
