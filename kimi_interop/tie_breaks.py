@@ -28,8 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-from .. import ggml_cpu, ggml_cpu_quant
-from ..gguf_io import GGUFFile
+from kimi_convert.runtime import ggml_cpu, ggml_cpu_quant
+from kimi_convert.gguf_io import GGUFFile
 from .llama_cpp_trace import LlamaCppTrace
 
 F32 = np.float32

@@ -29,7 +29,7 @@ from test_quantize import IMATRIX_KEYS, assert_same_file
 SIZES = dict(n_layers=8, hidden=256, moe_intermediate_size=256, routed_expert_hidden_size=256, intermediate_size=256,
              num_experts=2, num_experts_per_token=1, num_shared_experts=1, seed=3)
 WRITABLE = ["Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K", "Q8_0", "Q4_0",
-            "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS", "F16", "TQ1_0", "TQ2_0", "Q1_0", "IQ3_S"]
+            "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS", "F16", "TQ1_0", "TQ2_0", "IQ3_S"]
 WITH_IMATRIX = ["Q2_K_S", "Q4_0", "IQ4_XS"]
 # the grid i-quants' mixtures, which llama-quantize makes only with an imatrix (IQ2_XXS and IQ1_M, on a bigger
 # fixture, are tests/test_interop_lowbit.py's): every grid type's kernel in a whole file

@@ -205,7 +205,7 @@ def out_dir(tmp_path):
 @pytest.mark.parametrize("name,needles", [
     ("q4_k_m", ["q4_k_m: no such preset; did you mean llama-quantize's mixture Q4_K_M?", "upper case"]),
     ("K3-Q4", ["K3-Q4: no such file type; did you mean the preset k3-q4?"]),
-    ("Q9_K", ["Q9_K: no such policy file or preset", "presets: k3-native", "mixtures: Q1_0, Q2_0"]),
+    ("Q9_K", ["Q9_K: no such policy file or preset", "presets: k3-iq1, k3-iq2, k3-native", "mixtures: Q1_0, Q2_0"]),
 ])
 def test_a_name_of_the_other_kind_is_refused_with_what_it_may_mean(files, out_dir, name, needles):
     src, _, _ = files

@@ -98,7 +98,7 @@ def test_iq1_s_requires_an_imatrix_as_ggml():
     assert block_type(QT.IQ1_S).ggml_requires_imatrix
     assert not ggml.ggml_quantize_requires_imatrix(QT.IQ1_M)
     assert not getattr(block_type(QT.IQ1_M), "ggml_requires_imatrix", False)
-    with pytest.raises(ValueError, match="IQ1_S: ggml quantizes it only with an imatrix"):
+    with pytest.raises(ValueError, match="IQ1_S: ggml quantizes this type only with an imatrix"):
         quantize(np.ones((1, 256), np.float32), QT.IQ1_S)
 
 

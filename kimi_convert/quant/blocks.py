@@ -406,7 +406,7 @@ def supported_types() -> tuple[QT, ...]:
 
 
 class StoredType:
-    """Rows of a ggml type that is read but never written here (IQ2_XXS, ..., re-quantized under
+    """Rows of a ggml type that is read but never written here (Q8_1, Q8_K, the integer types, F64; re-quantized under
     --allow-requantize): widened to float32 by gguf-py's dequantizer, which equals ggml's to_float."""
 
     def __init__(self, qtype: QT):

@@ -1271,7 +1271,7 @@ TORCH_HINT = "the torch reference needs torch: pip install 'kimi-convert[verify]
 def reference_unavailable() -> str | None:
     """Why the torch reference cannot run here (torch is an optional extra), or None."""
     try:
-        import_module(".reference", __package__)
+        import_module("..runtime.reference", __package__)
     except ModuleNotFoundError as e:
         if (e.name or "").partition(".")[0] != "torch":
             raise
