@@ -2,6 +2,11 @@
 """kimi-quantize against llama-quantize's own code (not a test): wall time, peak RSS and byte equality, per type.
 
     python benchmarks/bench_quantize.py [--types Q8_0,Q4_K,...] [--experts 32] [--layers 3] [--keep DIR] [--repeat 3]
+                                        [--imatrix]
+
+--imatrix gives both sides the same importance matrix (fixtures/imatrix.py, made for the file; llama.cpp gets its
+vectors as llama-quantize reads them): the i-quants need one (IQ1_S, IQ2_XXS, IQ2_XS always; llama-quantize
+refuses the other grid types without one too).
 
 Makes one kimi-k3 GGUF with wide rows and BF16 experts (latent and expert width 1024, hidden 2048; about
 0.4 GB per MoE layer at 32 experts), then for each type runs, each in a fresh child process so that its peak RSS
@@ -37,7 +42,13 @@ DEFAULT_TYPES = "Q8_0,Q4_0,Q5_0,Q2_K,Q3_K,Q4_K,Q5_K,Q6_K,IQ4_NL,IQ4_XS"
 LLAMA = """
 import os, sys, time
 from kimi_interop import llama_quantize
-llama_quantize(sys.argv[1], sys.argv[2], int(sys.argv[3]), pure=True, threads=2)
+vectors = None
+if len(sys.argv) > 4:       # the imatrix, as llama-quantize's main reads it into its map of vectors
+    from kimi_convert.gguf_io import open_gguf
+    from kimi_convert.quant.imatrix import load_imatrix
+    im, gf = load_imatrix(sys.argv[4]), open_gguf(sys.argv[1])
+    vectors = {n: v for n in im.names if (v := im.vector(n, gf.tensors[n].shape)) is not None}
+llama_quantize(sys.argv[1], sys.argv[2], int(sys.argv[3]), pure=True, threads=2, imatrix=vectors)
 start = time.perf_counter()
 fd = os.open(sys.argv[2], os.O_RDONLY)
 os.fsync(fd)                # what our run also does before it renames its output into place
@@ -47,8 +58,11 @@ sys.stderr.write(f"FSYNC {time.perf_counter() - start}\\n")
 OURS = """
 import sys
 from kimi_convert.quant.driver import quantize_file
+from kimi_convert.quant.imatrix import load_imatrix
 from kimi_convert.quant.policy import parse_policy
-quantize_file(sys.argv[1], sys.argv[2], parse_policy(f'default = "{sys.argv[3]}"\\n', "bench"), threads=2)
+imatrix = load_imatrix(sys.argv[4]) if len(sys.argv) > 4 else None
+quantize_file(sys.argv[1], sys.argv[2], parse_policy(f'default = "{sys.argv[3]}"\\n', "bench"), threads=2,
+              imatrix=imatrix)
 """
 STARTUP = """
 import sys
@@ -65,7 +79,7 @@ from kimi_convert.quant.policy import parse_policy
 gf = open_gguf(sys.argv[2])
 for t in sys.argv[1].split(","):      # every kernel of each plan, its shape fallbacks' too
     plan = plan_file(gf, parse_policy(f'default = "{t}"\\n', "bench"))
-    load_kernels((d.source, d.target, False) for d in plan.decisions if not d.copied)
+    load_kernels((d.source, d.target, w) for d in plan.decisions if not d.copied for w in (False, True))
 """
 
 
@@ -109,6 +123,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=3, help="layers (the first is dense)")
     ap.add_argument("--keep", type=Path, help="work in this folder and keep it")
     ap.add_argument("--repeat", type=int, default=3, help="runs of each side per type (medians are printed)")
+    ap.add_argument("--imatrix", action="store_true", help="both sides with the same importance matrix")
     args = ap.parse_args()
     from gguf import GGMLQuantizationType as QT
     from kimi_convert.quant.driver import FILE_TYPE
@@ -121,7 +136,15 @@ def main() -> None:
                              hidden=2048, moe_intermediate_size=1024, routed_expert_hidden_size=1024,
                              intermediate_size=2048, num_experts=args.experts, num_experts_per_token=4, seed=1)
         convert(build_plan(hf, "bf16"), src)
-    print(f"input {src}: {src.stat().st_size / 1e6:.0f} MB; cores {os.cpu_count()}")
+    imatrix_args: list[str] = []
+    if args.imatrix:
+        from kimi_convert.fixtures.imatrix import k3_entries, write_gguf_imatrix
+        from kimi_convert.gguf_io import open_gguf
+        shapes = {n: t.shape for n, t in open_gguf(src).tensors.items()}
+        imatrix_args = [str(write_gguf_imatrix(work / "k3.imatrix.gguf", k3_entries(shapes, seed=5),
+                                               chunk_count=12))]
+    print(f"input {src}: {src.stat().st_size / 1e6:.0f} MB; cores {os.cpu_count()}; "
+          f"imatrix: {imatrix_args[0] if imatrix_args else 'none'}")
     types = args.types.split(",")
     subprocess.run([sys.executable, "-c", "import sys\n" + WARM + LLAMA_IMPORTS, ",".join(types), str(src)],
                    check=True, env=CHILD_ENV)       # the native cache, and the bytecode of both sides' modules
@@ -133,8 +156,8 @@ def main() -> None:
         theirs, ours = work / f"llama-{name}.gguf", work / f"ours-{name}.gguf"
         runs = []
         for _ in range(args.repeat):            # llama.cpp, then ours, back to back: the pairs share the load
-            t_l, rss_l, t_f = timed(LLAMA, str(src), str(theirs), str(int(FILE_TYPE[QT[name]])))
-            t_o, rss_o, _ = timed(OURS, str(src), str(ours), name)
+            t_l, rss_l, t_f = timed(LLAMA, str(src), str(theirs), str(int(FILE_TYPE[QT[name]])), *imatrix_args)
+            t_o, rss_o, _ = timed(OURS, str(src), str(ours), name, *imatrix_args)
             t_s, _, _ = timed(STARTUP, name)   # our fixed cost: interpreter, imports, linking the kernels, exit
             equal = same_bytes(ours, theirs)
             theirs.unlink()
