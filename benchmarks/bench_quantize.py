@@ -48,7 +48,10 @@ if len(sys.argv) > 4:       # the imatrix, as llama-quantize's main reads it int
     from kimi_convert.quant.imatrix import load_imatrix
     im, gf = load_imatrix(sys.argv[4]), open_gguf(sys.argv[1])
     vectors = {n: v for n in im.names if (v := im.vector(n, gf.tensors[n].shape)) is not None}
-llama_quantize(sys.argv[1], sys.argv[2], int(sys.argv[3]), pure=True, threads=2, imatrix=vectors)
+# token_embd and output have no imatrix entry (llama-imatrix collects none): Q8_0 on both sides, as ggml would
+# abort on an i-quant without one
+keep = [("^(token_embd|output)\\.weight$", 8)] if vectors else []
+llama_quantize(sys.argv[1], sys.argv[2], int(sys.argv[3]), pure=True, threads=2, imatrix=vectors, tensor_types=keep)
 start = time.perf_counter()
 fd = os.open(sys.argv[2], os.O_RDONLY)
 os.fsync(fd)                # what our run also does before it renames its output into place
@@ -61,7 +64,8 @@ from kimi_convert.quant.driver import quantize_file
 from kimi_convert.quant.imatrix import load_imatrix
 from kimi_convert.quant.policy import parse_policy
 imatrix = load_imatrix(sys.argv[4]) if len(sys.argv) > 4 else None
-quantize_file(sys.argv[1], sys.argv[2], parse_policy(f'default = "{sys.argv[3]}"\\n', "bench"), threads=2,
+keep = "[[rules]]\\npattern = '^(token_embd|output)\\\\.weight$'\\ntype = 'Q8_0'\\n" if imatrix else ""
+quantize_file(sys.argv[1], sys.argv[2], parse_policy(f'default = "{sys.argv[3]}"\\n' + keep, "bench"), threads=2,
               imatrix=imatrix)
 """
 STARTUP = """
