@@ -308,3 +308,17 @@ def test_list_presets():
     assert all(("cannot write" in mixtures[n]) == (ft.default not in supported_types()) for n, ft in FILE_TYPES.items())
     assert "file type 41: Q2_0" in mixtures["Q2_0"]
     assert "--list-presets" in quantize("--help").stdout
+
+
+def test_an_imatrix_without_token_embd_refuses_an_iq2_xxs_token_embd_by_name():
+    """llama-quantize exempts token_embd and output from its imatrix rule, but ggml asserts an imatrix for IQ1_S,
+    IQ2_XXS and IQ2_XS on every tensor: the plan names the tensors the imatrix lacks before anything is written,
+    instead of ggml's abort (or our kernel's ValueError) in the middle of the file."""
+    from kimi_convert.quant.plan import write_blockers
+    pol = parse_policy('default = "Q8_0"\n[[rules]]\npattern = \'^(token_embd|output)\\.weight$\'\ntype = "IQ2_XXS"\n',
+                       "p.toml")
+    plan = plan_quantization(real_tensors("k3"), pol)
+    entries = {d.name for d in plan.decisions} - {"token_embd.weight", "output.weight"}
+    [line] = write_blockers(plan, entries, "calib.imatrix")
+    assert "calib.imatrix has no entry for 2 tensor(s)" in line and "token_embd.weight" in line, line
+    assert "output.weight" in line

@@ -26,7 +26,7 @@ from gguf import GGMLQuantizationType as QT
 from ..errors import KimiError
 from ..gguf_io import QUANT_SIZES, tensor_nbytes
 from ..tensor_map import MXFP4_EXPERTS, Protection, protection
-from .blocks import supported_types
+from .blocks import block_type, supported_types
 from .mixtures import FLOAT_TYPES, Mixture, MixtureError, ModelFacts, fallback_type, llama_order, requires_imatrix
 from .policy import Policy, Rule, first_matches, type_name
 
@@ -188,7 +188,14 @@ def decide(name: str, shape: tuple[int, ...], source: QT, policy: Policy, allow_
     target, why = _fallback(name, shape, target, why)
     _check_possible(name, source, target, allow_requantize)
     return Decision(name, shape, source, target, why, guard, rule,
-                    source != target and requires_imatrix(name, target, policy.mixture)), None
+                    source != target and (requires_imatrix(name, target, policy.mixture)
+                                          or _ggml_needs_imatrix(target))), None
+
+
+def _ggml_needs_imatrix(target: QT) -> bool:
+    """ggml itself makes IQ1_S, IQ2_XXS and IQ2_XS only with importance weights (it asserts them), for every
+    tensor: token_embd and output too, which llama-quantize's own rule exempts."""
+    return target in supported_types() and block_type(target).ggml_requires_imatrix
 
 
 def _fallback(name: str, shape: tuple[int, ...], target: QT, why: str) -> tuple[QT, str]:
@@ -241,7 +248,7 @@ def write_blockers(plan: QuantPlan, imatrix: Container[str] | None, imatrix_path
         if missing:
             shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
             out.append(f"{imatrix_path} has no entry for {len(missing)} tensor(s) whose type needs one, as "
-                       f"llama-quantize requires: {shown}")
+                       f"llama-quantize (or ggml, for IQ1_S, IQ2_XXS, IQ2_XS) requires: {shown}")
     return out
 
 

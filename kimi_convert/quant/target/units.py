@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType as QT
 
 from ...gguf_io import QUANT_SIZES, tensor_nbytes
 from ...tensor_map import MXFP4_EXPERTS
-from ..blocks import supported_types
+from ..blocks import block_type, supported_types
 from ..mixtures import FLOAT_TYPES, requires_imatrix
 from ..plan import Decision, QuantPlan
 
@@ -110,7 +110,8 @@ def candidates(ds: list[Decision], has_vector, allow_requantize: bool) -> tuple[
     for t in supported_types() if may_convert else ():
         if t == source or any(d.shape[-1] % QUANT_SIZES[t][0] for d in ds):
             continue
-        if any(requires_imatrix(d.name, t, None) and not has_vector(d) for d in ds):
+        if any((requires_imatrix(d.name, t, None) or block_type(t).ggml_requires_imatrix) and not has_vector(d)
+               for d in ds):
             continue
         if keep_bytes is not None and sum(tensor_nbytes(t, d.shape) for d in ds) >= keep_bytes:
             continue
