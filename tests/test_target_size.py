@@ -255,3 +255,17 @@ def test_solve_fits_and_is_deterministic():
         a, b = solve(hulls, budget), solve(hulls, budget)
         assert a == b and a.nbytes <= budget
         assert budget - a.nbytes < max(h[-1].nbytes for h in hulls) or a.nbytes == 240
+
+
+@pytest.mark.parametrize("target", ["input", "output"])
+def test_emit_policy_never_over_an_input_or_the_output_even_with_force(src, imatrix, tmp_path, target):
+    """--emit-policy is an output like OUT: over IN (or the imatrix, above) it is refused with --force too, and
+    over OUT itself it would turn the GGUF just written into TOML; one line, exit 1, the input unchanged."""
+    out = tmp_path / "o.gguf"
+    before = src.read_bytes()
+    emit = src if target == "input" else out
+    r = quantize(src, out, "--target-size", "2M", "--emit-policy", emit, "--imatrix", imatrix, "--force")
+    assert r.returncode == 1, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert src.read_bytes() == before and not out.exists()
