@@ -2,7 +2,10 @@
 """kimi-quantize against llama-quantize's own code (not a test): wall time, peak RSS and byte equality, per type.
 
     python benchmarks/bench_quantize.py [--types Q8_0,Q4_K,...] [--experts 32] [--layers 3] [--keep DIR] [--repeat 3]
-                                        [--imatrix]
+                                        [--imatrix] [--load N]
+
+--load N runs N busy processes (a Python loop each) through every timed run of both sides: the busy machine a
+user's desktop is. Both sides share it alike (their runs alternate), so the ratio says which copes better.
 
 --imatrix gives both sides the same importance matrix (fixtures/imatrix.py, made for the file; llama.cpp gets its
 vectors as llama-quantize reads them): the i-quants need one (IQ1_S, IQ2_XXS, IQ2_XS always; llama-quantize
@@ -128,9 +131,9 @@ def main() -> None:
     ap.add_argument("--keep", type=Path, help="work in this folder and keep it")
     ap.add_argument("--repeat", type=int, default=3, help="runs of each side per type (medians are printed)")
     ap.add_argument("--imatrix", action="store_true", help="both sides with the same importance matrix")
+    ap.add_argument("--load", type=int, default=0, help="busy processes running beside every timed run")
     args = ap.parse_args()
     from gguf import GGMLQuantizationType as QT
-    from kimi_convert.quant.driver import FILE_TYPE
 
     work = args.keep or Path(tempfile.mkdtemp(prefix="bench-quantize-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -152,15 +155,36 @@ def main() -> None:
     types = args.types.split(",")
     subprocess.run([sys.executable, "-c", "import sys\n" + WARM + LLAMA_IMPORTS, ",".join(types), str(src)],
                    check=True, env=CHILD_ENV)       # the native cache, and the bytecode of both sides' modules
-    print(f"medians of {args.repeat} runs of each side per type, llama.cpp and ours back to back")
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load)]
+    try:
+        run_types(types, src, work, imatrix_args, args.repeat, args.load)
+    finally:
+        for p in busy:
+            p.kill()
+
+
+def llama_file_type(qtype) -> int:
+    """The llama-quantize file type whose --pure run writes `qtype` everywhere: the one named after it, else the
+    first whose default it is (IQ2_S is IQ2_M's)."""
+    from kimi_convert.quant.driver import FILE_TYPE
+    from kimi_convert.quant.mixtures import FILE_TYPES
+    if qtype in FILE_TYPE:
+        return int(FILE_TYPE[qtype])
+    return int(next(ft.ftype for ft in FILE_TYPES.values() if ft.default == qtype))
+
+
+def run_types(types: list[str], src: Path, work: Path, imatrix_args: list[str], repeat: int, load: int) -> None:
+    from gguf import GGMLQuantizationType as QT
+    print(f"medians of {repeat} runs of each side per type, llama.cpp and ours back to back"
+          + (f", {load} busy process(es) beside them" if load else ""))
     print(f"{'type':8} {'llama.cpp s':>11} {'+ fsync s':>9} {'ours s':>8} {'ratio':>6} {'(range)':>9} {'ratio+fsync':>11} "
           f"{'startup s':>9} {'llama RSS':>10} "
           f"{'our RSS':>9}  bytes equal")
     for name in types:
         theirs, ours = work / f"llama-{name}.gguf", work / f"ours-{name}.gguf"
         runs = []
-        for _ in range(args.repeat):            # llama.cpp, then ours, back to back: the pairs share the load
-            t_l, rss_l, t_f = timed(LLAMA, str(src), str(theirs), str(int(FILE_TYPE[QT[name]])), *imatrix_args)
+        for _ in range(repeat):                 # llama.cpp, then ours, back to back: the pairs share the load
+            t_l, rss_l, t_f = timed(LLAMA, str(src), str(theirs), str(llama_file_type(QT[name])), *imatrix_args)
             t_o, rss_o, _ = timed(OURS, str(src), str(ours), name, *imatrix_args)
             t_s, _, _ = timed(STARTUP, name)   # our fixed cost: interpreter, imports, linking the kernels, exit
             equal = same_bytes(ours, theirs)

@@ -11,7 +11,7 @@ the solver's choice compares with uniform policies of at most the same size on a
    RSS are printed and extrapolated to K3's 276 expert tensors of 896 experts.
 2. quality: the tiny K3 fixture with its experts free (--allow-requantize), at three budgets (two low in the
    range, and the smallest shipped preset's size): the solver's total error (the measure: imatrix-weighted
-   relative error summed over rows) against every uniform policy (`default = "T"`, llama-quantize's shape
+   relative error summed over rows, each matrix weighted by its share of the tokens, as --target-size does) against every uniform policy (`default = "T"`, llama-quantize's shape
    fallbacks applied) and every shipped preset whose bytes are at most the budget; then, for the solver and the
    two best of those, the KL divergence of our runtime's logits against the unquantized file's. Random
    weights make every tensor about equally sensitive, so this shows that the solver spends bytes where the
@@ -44,8 +44,9 @@ from kimi_convert.quant.driver import plan_file  # noqa: E402
 from kimi_convert.quant.imatrix import load_imatrix  # noqa: E402
 from kimi_convert.quant.policy import load_policy, parse_policy, preset_names  # noqa: E402
 from kimi_convert.quant.target.budget import parse_budget  # noqa: E402
-from kimi_convert.quant.target.choose import choose, no_base  # noqa: E402
-from kimi_convert.quant.target.measure import EXPERT_ROWS, ErrorCache, gguf_rows, unit_errors  # noqa: E402
+from kimi_convert.model import KimiConfig  # noqa: E402
+from kimi_convert.quant.target.choose import choose, expert_share, no_base  # noqa: E402
+from kimi_convert.quant.target.measure import EXPERT_ROWS, ErrorCache, gguf_rows, token_shares, unit_errors  # noqa: E402
 from kimi_convert.quant.target.solver import Point, lower_hull, solve  # noqa: E402
 from kimi_convert.quant.target.units import Unit, candidates, split_decisions  # noqa: E402
 
@@ -133,6 +134,7 @@ def quality(tmp: Path, threads: int, sequences: int = 16, length: int = 32) -> N
     imat = load_imatrix(imat_path)
     plan = plan_file(gf, no_base(), allow_requantize=True, imatrix=True)
     decisions = split_decisions(plan, lambda d: imat.has_vector(d.name, d.shape), allow_requantize=True)
+    shares = token_shares(imat, expert_share(KimiConfig.from_gguf(gf.fields, gf.paths[0])))   # as choose's
     # every free tensor measured alone for every type its rows fit (larger ones too: a preset may choose them),
     # a decision's error then the sum over its tensors
     cache, per_tensor = ErrorCache(None), {}
@@ -140,7 +142,7 @@ def quality(tmp: Path, threads: int, sequences: int = 16, length: int = 32) -> N
         for d in u.decisions:
             fitting = tuple(t for t in supported_types() if t == d.source or not d.shape[-1] % QUANT_SIZES[t][0])
             per_tensor[d.name] = unit_errors(Unit(d.name, (d,), fitting), gguf_rows(gf),
-                                             lambda n, d=d: imat.vector(n, d.shape), cache, threads)
+                                             lambda n, d=d: imat.vector(n, d.shape), cache, threads, shares)
     hulls = [lower_hull([Point(t, u.nbytes(t), sum(per_tensor[d.name][t] for d in u.decisions))
                          for t in u.candidates]) for u in decisions.units]
     uniform = []

@@ -40,9 +40,11 @@ from typing import Iterable
 import numpy as np
 
 # argument kinds: every argument is a C-contiguous array, passed to the entry as (pointer, rows, columns);
-# i8_2d, i32_1d and u16_1d are the grid i-quants' tables (quant/kernels/grids.py: grid, kmap, neighbours)
+# i8_2d, i32_1d and u16_1d are the grid i-quants' tables (quant/kernels/grids.py: grid, kmap, neighbours);
+# u32_1d a count a kernel returns (the non-finite values it saw)
 ARRAYS = {"f32_2d": (np.float32, 2), "f32_1d": (np.float32, 1), "u8_2d": (np.uint8, 2), "u8_1d": (np.uint8, 1),
-          "u16_2d": (np.uint16, 2), "u16_1d": (np.uint16, 1), "u32_2d": (np.uint32, 2), "i8_2d": (np.int8, 2),
+          "u16_2d": (np.uint16, 2), "u16_1d": (np.uint16, 1), "u32_2d": (np.uint32, 2), "u32_1d": (np.uint32, 1),
+          "i8_2d": (np.int8, 2),
           "i32_1d": (np.int32, 1)}
 MAX_ARRAYS = 6      # x, qw, out and a grid type's three tables
 

@@ -21,10 +21,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def all_kernels():
-    """Every kernel the package declares: each type's quantizers, its dequantizer, the widening, the repack."""
+    """Every kernel the package declares: each type's quantizers, its dequantizer, the widening, the finite
+    check, the repack."""
     from kimi_convert.convert.mxfp4 import REPACK_KERNEL
     from kimi_convert.quant import blocks
-    kernels = {id(REPACK_KERNEL): REPACK_KERNEL, id(blocks._BF16_TO_F32): blocks._BF16_TO_F32}
+    kernels = {id(k): k for k in (REPACK_KERNEL, blocks._BF16_TO_F32, blocks._COUNT_NONFINITE)}
     for qtype in blocks.supported_types():
         bt = blocks.block_type(qtype)
         for k in (bt._ref, bt._impl, bt._to_f32):

@@ -123,19 +123,21 @@ def convert(
 def choose_in_pass(plan, base, imat, target, out: Path, *, allow_requantize: bool):
     """--target-size in the one pass: kimi-quantize's choice for the converted file, its rows cut from the
     converter's own producers (quant.target.streamed)."""
-    from ..convert.converter import plan_policy, producers
+    from ..convert.converter import plan_policy, producers, row_reader
     from ..quant.blocks import default_threads
-    from ..quant.target.choose import check_decisions, choose_decided
+    from ..quant.target.choose import check_decisions, choose_decided, expert_share
     from ..quant.target.streamed import producer_rows
     import numpy as np
     base_plan = plan_policy(plan, base, imatrix=imat, allow_requantize=allow_requantize).plan
     weights = sum(int(np.prod(t.shape, dtype=np.int64)) for t in plan.tensors)
     decisions, budget_bytes = check_decisions(base_plan, weights, target.budget, imat,
                                               allow_requantize=allow_requantize, gpu_budget=target.gpu_budget)
-    choice = choose_decided(decisions, budget_bytes, producer_rows(producers(plan)), base, target.budget, imat,
+    rows = producer_rows(producers(plan), row_reader(plan))
+    choice = choose_decided(decisions, budget_bytes, rows, base, target.budget, imat,
                             allow_requantize=allow_requantize, gpu_budget=target.gpu_budget,
                             threads=default_threads(), cache_path=target.cache_path(out),
-                            source=str(target.emit_policy or "the chosen policy"), note=note)
+                            source=str(target.emit_policy or "the chosen policy"), note=note,
+                            expert_share=expert_share(plan.config))
     from .policy_options import print_choice
     print_choice(choice, False)
     return choice

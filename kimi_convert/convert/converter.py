@@ -482,9 +482,51 @@ def plan_policy(plan: Plan, policy: "Policy", *, imatrix=None, allow_requantize:
                          allow_requantize=allow_requantize, strict=strict, threads=threads)
 
 
+def row_reader(plan: Plan) -> Callable[[str, int], np.ndarray | None]:
+    """(tensor, row) -> that one row as the converted file stores it (uint8 bytes of its type), read from the
+    checkpoint alone, or None for a transform whose rows are only made whole (RES_SCORE, A_LOG, K_B, V_B: small
+    tensors). A copied or cast row is one pread of its bytes; a row of an MXFP4 expert is its codes and scales
+    (two preads) repacked. --target-size samples so a few rows of each expert, not the checkpoint."""
+    by_name = {t.name: t for t in plan.tensors}
+    ckpt = plan.checkpoint
+
+    def read(name: str, row: int) -> np.ndarray | None:
+        p = by_name[name]
+        if p.rule.transform not in (COPY, CONV1D, EXPERTS):
+            return None
+        stacked = p.rule.transform == EXPERTS
+        group = p.sources[row // p.shape[-2]] if stacked else p.sources[0]
+        local = row % p.shape[-2] if stacked else row
+        n = p.shape[-1]
+        if len(group) == 2:                     # an MXFP4 expert: (packed codes, E8M0 scales)
+            codes = np.frombuffer(ckpt.read_raw(group[0], local * n // 2, n // 2), np.uint8).reshape(1, -1)
+            scales = np.frombuffer(ckpt.read_raw(group[1], local * n // mxfp4.BLOCK, n // mxfp4.BLOCK),
+                                   np.uint8).reshape(1, -1)
+            out = np.empty((1, n // mxfp4.BLOCK * mxfp4.BLOCK_BYTES), np.uint8)
+            mxfp4.repack_into(codes, scales, out)
+            return out.reshape(-1)
+        t = group[0]
+        from .checkpoint import NUMPY_DTYPE
+        itemsize = np.dtype(NUMPY_DTYPE[t.dtype]).itemsize
+        values = np.frombuffer(ckpt.read_raw(t, local * n * itemsize, n * itemsize), NUMPY_DTYPE[t.dtype])
+        return np.ascontiguousarray(cast(values, t.dtype, p.qtype)).view(np.uint8).reshape(-1)
+    return read
+
+
 def producers(plan: Plan) -> dict[str, Callable[[], Iterator]]:
     """Each tensor's producer, by name: what convert() streams into the writer (--target-size samples them)."""
     return {t.name: (lambda t=t: _produce(t, plan.checkpoint, plan.config)) for t in plan.tensors}
+
+
+def _source_of(plan: Plan) -> Callable[[str, int], str]:
+    """(tensor, row) -> "shard: checkpoint tensor" the row was made from (an expert's own tensor)."""
+    by_name = {t.name: t for t in plan.tensors}
+
+    def source_of(name: str, row: int) -> str:
+        t = by_name[name]
+        group = t.sources[row // t.shape[-2]] if t.rule.transform == EXPERTS and len(t.shape) == 3 else t.sources[0]
+        return f"{group[0].path}: {group[0].name}"
+    return source_of
 
 
 def one_pass_peak_ram(plan: Plan, quant: "OnePass") -> int:
@@ -527,6 +569,7 @@ def convert(plan: Plan, out: Path, *, split_max_tensors: int = 0, split_max_size
     else:
         for key, value, vtype, sub in quant.metadata(converted_metadata(plan, pre.vocab), file_type(plan)):
             writer.add_kv(key, value, vtype, sub)
+        quant.source_of = _source_of(plan)
         outs = quant.out_tensors(produce)
     start = time.perf_counter()
     paths = writer.write(outs, on_bytes)

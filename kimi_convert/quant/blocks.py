@@ -41,7 +41,15 @@ def _weighted(family: str, name: str, tables: tuple[str, ...] = ()) -> Kernel:
     return Kernel(f"{KERNELS}.{family}", name, "f32_2d", "f32_1d", "u8_2d", *tables)
 
 
-_BF16_TO_F32 = Kernel(f"{KERNELS}.legacy", "bf16_to_f32_rows", "u16_2d", "u32_2d")
+_BF16_TO_F32 = Kernel(f"{KERNELS}.legacy", "bf16_to_f32_rows", "u16_2d", "u32_2d", "u32_1d")
+_COUNT_NONFINITE = Kernel(f"{KERNELS}.legacy", "count_nonfinite_f32", "u32_2d", "u32_1d")
+
+
+def _count_nonfinite(x: np.ndarray) -> int:
+    """How many float32 values of the 2-D ``x`` are NaN or infinite (one vectorised pass, no temporary)."""
+    n = np.zeros(1, np.uint32)
+    _COUNT_NONFINITE(np.ascontiguousarray(x, dtype=np.float32).view(np.uint32), n)
+    return int(n[0])
 
 _REGISTRY: dict[QT, type["BlockType"]] = {}
 
@@ -58,6 +66,10 @@ class BlockType:
     _ref: ClassVar[Kernel | None] = None
     _impl: ClassVar[Kernel | None] = None
     ggml_requires_imatrix: ClassVar[bool] = False  # ggml asserts an imatrix (IQ2_XXS, IQ2_XS, IQ1_S): no _ref
+    # ggml aborts the process on a NaN or an infinity among the values (IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S: no grid
+    # point found, GGML_ASSERT / "Oops ... not on grid"): we refuse it (NonFiniteError). Every other type,
+    # IQ1_S, IQ1_M and IQ2_XXS included, writes ggml's bytes for it, as llama-quantize does
+    refuses_nonfinite: ClassVar[bool] = False
     _to_f32: ClassVar[Kernel | None] = None       # our dequantizer, for the types gguf-py has none of (Q1_0, Q2_0)
 
     def __init_subclass__(cls, qtype: QT, **kwargs) -> None:
@@ -107,6 +119,12 @@ class BlockType:
             cls._to_f32(np.ascontiguousarray(data, dtype=np.uint8), buf)
             return buf
         return np.asarray(_gguf_quants.dequantize(data, cls.qtype), dtype=np.float32)
+
+    @classmethod
+    def checked_float32(cls, data: np.ndarray, buf: np.ndarray) -> tuple[np.ndarray, int]:
+        """to_float32's float32 rows, and how many of them are NaN or infinite."""
+        x = np.ascontiguousarray(cls.to_float32(data, buf), dtype=np.float32)
+        return x, _count_nonfinite(x)
 
 
 class GridType:
@@ -170,10 +188,16 @@ class BF16(BlockType, qtype=QT.BF16):
 
     @classmethod
     def to_float32(cls, data, buf):
+        return cls.checked_float32(data, buf)[0]
+
+    @classmethod
+    def checked_float32(cls, data, buf):
         # gguf-py's BF16 dequantizer makes three temporaries of the whole chunk; BF16 is what most
-        # kimi-quantize inputs hold, so widen in place, in the kernel
-        cls.widen(data.view(np.uint16), buf.view(np.uint32))
-        return buf
+        # kimi-quantize inputs hold, so widen in place, in the kernel, which counts the NaNs and infinities
+        # in the same pass
+        n = np.zeros(1, np.uint32)
+        cls.widen(data.view(np.uint16), buf.view(np.uint32), n)
+        return buf, int(n[0])
 
 
 # --- 32-element blocks ---
@@ -286,6 +310,7 @@ class IQ2_XXS(GridType, BlockType, qtype=QT.IQ2_XXS):
 
 
 class IQ2_XS(GridType, BlockType, qtype=QT.IQ2_XS):
+    refuses_nonfinite = True
     mirrors = "none: quantize_row_iq2_xs_impl asserts quant_weights"
     mirrors_imatrix = "quantize_row_iq2_xs_impl"
     ggml_requires_imatrix = True
@@ -294,6 +319,7 @@ class IQ2_XS(GridType, BlockType, qtype=QT.IQ2_XS):
 
 
 class IQ2_S(GridType, BlockType, qtype=QT.IQ2_S):
+    refuses_nonfinite = True
     mirrors = "quantize_row_iq2_s_impl (weights 0.25*sigma2 + x^2)"
     mirrors_imatrix = "quantize_row_iq2_s_impl"
     scale_offsets = (0,)
@@ -304,6 +330,7 @@ class IQ2_S(GridType, BlockType, qtype=QT.IQ2_S):
 # --- IQ3 family: 3-bit grid i-quants, imatrix optional (kernels.iq3) ---
 
 class IQ3_XXS(GridType, BlockType, qtype=QT.IQ3_XXS):
+    refuses_nonfinite = True
     mirrors = "quantize_row_iq3_xxs_impl (256, weights x^2)"
     mirrors_imatrix = "quantize_row_iq3_xxs_impl (256)"
     scale_offsets = (0,)
@@ -312,6 +339,7 @@ class IQ3_XXS(GridType, BlockType, qtype=QT.IQ3_XXS):
 
 
 class IQ3_S(GridType, BlockType, qtype=QT.IQ3_S):
+    refuses_nonfinite = True
     mirrors = "quantize_iq3_s -> quantize_row_iq3_s_impl (32, weights x^2)"
     mirrors_imatrix = "quantize_iq3_s -> quantize_row_iq3_s_impl (32)"
     scale_offsets = (0,)
@@ -416,6 +444,10 @@ class StoredType:
     def to_float32(self, data: np.ndarray, buf: np.ndarray) -> np.ndarray:
         return np.asarray(_gguf_quants.dequantize(data, self.qtype), dtype=np.float32)
 
+    def checked_float32(self, data: np.ndarray, buf: np.ndarray) -> tuple[np.ndarray, int]:
+        x = np.ascontiguousarray(self.to_float32(data, buf), dtype=np.float32)
+        return x, _count_nonfinite(x)
+
 
 def source_type(qtype: QT) -> "type[BlockType] | StoredType":
     """What reads rows stored as ``qtype``: its block type, or a StoredType for a type that is only copied."""
@@ -423,6 +455,25 @@ def source_type(qtype: QT) -> "type[BlockType] | StoredType":
 
 
 # --- the API: quantize, dequantize, validate ---
+
+class NonFiniteError(ValueError):
+    """A NaN or an infinity among the values to quantize to a type whose ggml quantizer aborts on one
+    (BlockType.refuses_nonfinite): ``row`` and ``column`` of the first, counted in quantize's input."""
+
+    def __init__(self, row: int, column: int, value: float, count: int):
+        self.what = "nan" if np.isnan(value) else ("-inf" if value < 0 else "inf")
+        self.row, self.column, self.count = row, column, count
+        super().__init__(f"row {row}, column {column} is {self.what}{self.more}")
+
+    @property
+    def more(self) -> str:
+        return f" (and {self.count - 1:,} more non-finite values near it)" if self.count > 1 else ""
+
+    @classmethod
+    def first(cls, x: np.ndarray, first_row: int, count: int) -> "NonFiniteError":
+        r, c = np.argwhere(~np.isfinite(x))[0]
+        return cls(first_row + int(r), int(c), float(x[r, c]), count)
+
 
 class InvalidBlockError(ValueError):
     """Data ggml_validate_row_data rejects: ``block`` is the index of the first bad block (or element)."""
@@ -475,10 +526,15 @@ def quantize(values: np.ndarray, qtype: QT, imatrix: np.ndarray | None = None, *
         buf = np.empty((min(step, b - a), n_per_row), np.float32)
         for r in range(a, b, step):
             e = min(r + step, b)
-            x = src.to_float32(rows[r:e], buf[:e - r])
-            bt.quantize_rows(np.ascontiguousarray(x, dtype=np.float32), qw, out[r:e])
+            if bt.refuses_nonfinite:
+                x, nonfinite = src.checked_float32(rows[r:e], buf[:e - r])
+                if nonfinite:
+                    raise NonFiniteError.first(x, r, nonfinite)
+            else:
+                x = np.ascontiguousarray(src.to_float32(rows[r:e], buf[:e - r]), dtype=np.float32)
+            bt.quantize_rows(x, qw, out[r:e])
 
-    _on_threads(run, rows.shape[0], threads or default_threads())
+    _on_threads(run, rows.shape[0], threads or default_threads(), max(1, CACHE_VALUES // n_per_row))
     return out
 
 
@@ -487,7 +543,10 @@ def kernels_for(pairs: Iterable[tuple[QT, QT, bool]]) -> list[Kernel]:
     target's quantizer (its _impl with an imatrix, where it has one)."""
     kernels: dict[int, Kernel] = {}
     for source, target, weighted in pairs:
-        for k in (getattr(source_type(source), "widen", None), block_type(target).kernel(weighted)):
+        widen = getattr(source_type(source), "widen", None)
+        if widen is None and block_type(target).refuses_nonfinite:
+            widen = _COUNT_NONFINITE            # the finite check of rows widened in numpy
+        for k in (widen, block_type(target).kernel(weighted)):
             if k is not None:
                 kernels[id(k)] = k
     return list(kernels.values())
@@ -520,15 +579,28 @@ def _stored_rows(values: np.ndarray, src: "type[BlockType] | StoredType") -> np.
     return rows
 
 
-def _on_threads(run: Callable[[int, int], None], n_rows: int, threads: int) -> None:
-    """run(a, b) over ``threads`` contiguous row ranges at once (the kernels drop the GIL): the first on this
-    thread, the others on the pool. (Waking a thread costs tens of microseconds on a VM, and a chunk of
-    1M values takes 1-2 ms a core: this thread would otherwise only wait.)"""
-    bounds = np.linspace(0, n_rows, max(1, min(threads, n_rows)) + 1).astype(int).tolist()
-    others = [_pool(len(bounds) - 2).submit(run, a, b) for a, b in zip(bounds[1:-1], bounds[2:])] \
-        if len(bounds) > 2 else []
+def _on_threads(run: Callable[[int, int], None], n_rows: int, threads: int, piece_rows: int = 0) -> None:
+    """run(a, b) over the rows on ``threads`` threads at once (the kernels drop the GIL): this thread and
+    threads - 1 of the pool. With ``piece_rows``, each thread takes the next piece of that many rows as it
+    finishes one, as llama-quantize's workers take chunks from a shared counter, so that a thread the machine
+    slows down (another program on its core) does less of the work rather than keeping the others waiting;
+    without, each takes one contiguous range. (Waking a thread costs tens of microseconds on a VM, and a chunk
+    of 1M values takes 1-2 ms a core: this thread would otherwise only wait.)"""
+    threads = max(1, min(threads, n_rows))
+    if piece_rows and n_rows > piece_rows * threads:
+        starts = iter(range(0, n_rows, piece_rows))     # next() on it is atomic under the GIL
+
+        def work(_a: int = 0, _b: int = 0) -> None:
+            for a in starts:
+                run(a, min(a + piece_rows, n_rows))
+        bounds = [0] * (threads + 1)
+        jobs = [work] * threads
+    else:
+        bounds = np.linspace(0, n_rows, threads + 1).astype(int).tolist()
+        jobs = [run] * threads
+    others = [_pool(threads - 1).submit(job, a, b) for job, a, b in zip(jobs[1:], bounds[1:-1], bounds[2:])]
     try:
-        run(bounds[0], bounds[1])
+        jobs[0](bounds[0], bounds[1])
     finally:
         errors = [f.exception() for f in others]      # every range is done before this returns
     for e in errors:

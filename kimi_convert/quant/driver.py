@@ -26,7 +26,7 @@ from ..paths import Input, Report, refuse_overlap
 from ..model import KimiConfig
 from ..tensor_map import ggml_n_dims, gguf_group
 from .mixtures import PURE_FILE_TYPE, ModelFacts
-from .plan import Decision, QuantizeError, QuantPlan, check_can_write, plan_quantization
+from .plan import Decision, NonFiniteWeightError, QuantizeError, QuantPlan, check_can_write, plan_quantization
 from .policy import Policy
 
 CHUNK_VALUES = 4 << 20          # float32 values dequantized per chunk (16 MiB), whole rows
@@ -186,7 +186,10 @@ def chunks(d: Decision, t: GGUFTensor, imatrix: np.ndarray | None, threads: int)
         if buf.size < (b - a) * t.row_nbytes:
             buf = np.empty((b - a) * t.row_nbytes, np.uint8)
         return t.read_rows(a, b, buf)
-    yield from tensor_chunks(d, lambda: iter_chunks_of(t), rows, imatrix, threads, source=t.qtype, across=True)
+    try:
+        yield from tensor_chunks(d, lambda: iter_chunks_of(t), rows, imatrix, threads, source=t.qtype, across=True)
+    except QuantizeError as e:          # the line names the file the tensor is in
+        raise QuantizeError(f"{t.path}: {e}") from None
 
 
 def tensor_chunks(d: Decision, stored: Callable[[], Iterable[Chunk]], rows: Callable[[int, int], np.ndarray],
@@ -227,19 +230,31 @@ def quantize_rows(d: Decision, rows: Callable[[int, int], np.ndarray], imatrix: 
     read across matrices (a file can), chunks may hold rows of several: a stacked BF16 expert tensor of 1M
     values a matrix then goes in 4M-value chunks, a quarter of the kernel calls and thread wake-ups.
     The bytes are the same: every row is quantized alone."""
-    from .blocks import InvalidBlockError, quantize, validate_blocks     # noqa: PLC0415
+    from .blocks import InvalidBlockError, NonFiniteError, quantize, validate_blocks     # noqa: PLC0415
     n_per_row = d.shape[-1]
     for e, a, b in row_chunks(d.shape, across and imatrix is None):
         weights = None if imatrix is None else imatrix[e * n_per_row:(e + 1) * n_per_row]
         x = rows(a, b)
         x = np.asarray(x, dtype=np.float32).reshape(b - a, n_per_row) if source == QT.F32 else x.reshape(b - a, -1)
-        q = quantize(x, d.target, weights, threads=threads, source=source)
+        try:
+            q = quantize(x, d.target, weights, threads=threads, source=source)
+        except NonFiniteError as err:
+            raise NonFiniteWeightError(f"{d.name}: {_row_name(d.shape, a + err.row)}, column {err.column} is "
+                                       f"{err.what}{err.more}: refusing to quantize a non-finite weight to "
+                                       f"{d.target.name} (llama-quantize aborts on it); the source is damaged", d.name, a + err.row) from None
         try:
             validate_blocks(q, d.target)
         except InvalidBlockError as err:      # as llama-quantize's ggml_validate_row_data check
             raise QuantizeError(f"{d.name}: rows {a}-{b - 1} quantize to invalid {d.target.name} data "
                                 f"({err}); is the source finite?") from None
         yield a, b, q
+
+
+def _row_name(shape: tuple[int, ...], row: int) -> str:
+    """Row `row` of a tensor, counted across its matrices: "row 5", or "expert 3, row 5" in a stacked tensor."""
+    if len(shape) < 3:
+        return f"row {row}"
+    return f"expert {row // shape[-2]}, row {row % shape[-2]}"
 
 
 # ------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ import os
 import re
 import struct
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Callable, Iterable, Union
 
@@ -123,6 +124,21 @@ class Imatrix:
                 return False
             raise ImatrixError(f"{self.path}: {what}")
         return True
+
+    def usage(self, name: str, shape: Shape) -> np.ndarray | None:
+        """Per matrix (expert) of a stacked tensor, the share of the calibration tokens routed through it: its
+        count over the tokens a dense tensor saw (the largest single count in the file). None where the file
+        does not say: a .dat, no entry, one count for the whole tensor, or no dense entry to compare with."""
+        entry = self._entries.get(name)
+        if entry is None or entry.counts is None or entry.counts.size == 1 or entry.counts.size != _ne2(shape):
+            return None
+        tokens = self._dense_tokens
+        return entry.counts.astype(np.float64) / tokens if tokens > 0 else None
+
+    @cached_property
+    def _dense_tokens(self) -> float:
+        return max((float(e.counts[0]) for e in self._entries.values()
+                    if e.counts is not None and e.counts.size == 1), default=0.0)
 
     def metadata(self) -> list[tuple[str, MetaValue, GGUFValueType]]:
         """The keys llama-quantize adds to its output, in its order (each set last, after general.file_type)."""

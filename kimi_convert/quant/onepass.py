@@ -24,7 +24,7 @@ from ..errors import CheckpointError
 from ..gguf_io import Chunk, FileRange, OutTensor, tensor_nbytes
 from .driver import CHUNK_VALUES, ImatrixVectors, file_type, ggml_shape, metadata, tensor_chunks
 from .mixtures import ModelFacts
-from .plan import QuantPlan, check_can_write, plan_quantization
+from .plan import NonFiniteWeightError, QuantPlan, check_can_write, plan_quantization
 from .policy import Policy
 
 PIECE = 16 << 20            # a FileRange of the producer is read in pieces of this many bytes
@@ -40,6 +40,8 @@ class OnePass:
     notes: list[str] = field(default_factory=list)    # imatrix entries missing or skipped
     threads: int = 0                       # quantizer threads; 0: every CPU available
     allow_requantize: bool = False
+    # (tensor name, row) -> the source file and tensor it was made from, for an error's first words
+    source_of: Callable[[str, int], str] | None = None
 
     def check_requirements(self) -> None:
         """What the policy `requires` of a run (an imatrix, --allow-requantize) and what its plan needs to be
@@ -89,7 +91,12 @@ class OnePass:
     def _chunks(self, d, produce: Callable[[], Iterable[Chunk]], threads: int) -> Iterator[Chunk]:
         vector = None if d.copied or self.vectors is None else self.vectors.get(d.name)
         rows = StreamedRows(d.name, produce, d.source, d.shape)
-        yield from tensor_chunks(d, produce, rows, vector, threads, source=d.source)
+        try:
+            yield from tensor_chunks(d, produce, rows, vector, threads, source=d.source)
+        except NonFiniteWeightError as e:       # the line names the shard and the checkpoint's tensor
+            if self.source_of is None:
+                raise
+            raise NonFiniteWeightError(f"{self.source_of(e.name, e.row)}: {e}", e.name, e.row) from None
         if not d.copied:
             rows.finish()
 

@@ -35,6 +35,14 @@ class QuantizeError(KimiError):
     """The plan cannot be carried out as asked; the message names the tensor."""
 
 
+class NonFiniteWeightError(QuantizeError):
+    """A NaN or an infinity in tensor `name` at `row` (counted across its matrices): refused, not quantized."""
+
+    def __init__(self, message: str, name: str, row: int):
+        super().__init__(message)
+        self.name, self.row = name, row
+
+
 class StrictError(QuantizeError):
     """--strict and rules that name protected tensors: the message names every rule; `details` holds one line per
     rule and protection (ConflictGroup.describe), which the commands print before their error line."""

@@ -256,9 +256,25 @@ def bf16_rows(x, out):
 
 
 @njit(**JIT)
-def bf16_to_f32_rows(x, out):
-    """ggml_bf16_to_fp32_row: the bf16 bits become the top half of the float32 (exact, NaN payload kept)."""
+def bf16_to_f32_rows(x, out, nonfinite):
+    """ggml_bf16_to_fp32_row: the bf16 bits become the top half of the float32 (exact, NaN payload kept).
+    nonfinite[0]: how many were NaN or infinite (exponent all ones), counted in the same pass."""
     n_rows, n = x.shape
+    bad = np.uint32(0)
     for r in range(n_rows):
         for j in range(n):
-            out[r, j] = np.uint32(x[r, j]) << np.uint32(16)
+            u = np.uint32(x[r, j])
+            out[r, j] = u << np.uint32(16)
+            bad += np.uint32((u & np.uint32(0x7F80)) == np.uint32(0x7F80))
+    nonfinite[0] = bad
+
+
+@njit(**JIT)
+def count_nonfinite_f32(bits, nonfinite):
+    """nonfinite[0]: how many of the float32 values (as their bits) are NaN or infinite."""
+    n_rows, n = bits.shape
+    bad = np.uint32(0)
+    for r in range(n_rows):
+        for j in range(n):
+            bad += np.uint32((bits[r, j] & np.uint32(0x7F800000)) == np.uint32(0x7F800000))
+    nonfinite[0] = bad

@@ -9,12 +9,13 @@ from typing import Callable
 import numpy as np
 
 from ...gguf_io import GGUFFile
+from ...model import KimiConfig
 from ..driver import plan_file
 from ..plan import QuantPlan
 from ..policy import Policy, parse_policy
 from .budget import Budget, BudgetError, check_feasible, decimal_size
 from .emit import Chosen, decided_why, policy_text
-from .measure import ErrorCache, RowReader, gguf_rows, unit_errors
+from .measure import ErrorCache, RowReader, gguf_rows, token_shares, unit_errors
 from .solver import Point, Solution, lower_hull, solve
 from .units import ROUTED_EXPERTS, Decisions, held, split_decisions
 
@@ -66,12 +67,18 @@ def choose(gf: GGUFFile, base: Policy, budget: Budget, imat, *, allow_requantize
                                                  gpu_budget=gpu_budget)
     return choose_decided(decisions, budget_bytes, gguf_rows(gf), base, budget, imat,
                           allow_requantize=allow_requantize, gpu_budget=gpu_budget, threads=threads,
-                          cache_path=cache_path, source=source, note=note)
+                          cache_path=cache_path, source=source, note=note,
+                          expert_share=expert_share(KimiConfig.from_gguf(gf.fields, gf.paths[0])))
+
+
+def expert_share(config: KimiConfig) -> float:
+    """The share of the tokens a routed expert runs for on average: num_experts_per_tok / num_experts."""
+    return config.n_expert_used / config.n_expert if config.n_expert else 1.0
 
 
 def choose_decided(decisions: Decisions, budget_bytes: int, rows: RowReader, base: Policy, budget: Budget, imat, *,
                    allow_requantize: bool, gpu_budget: int | None, threads: int, cache_path: Path | None,
-                   source: str, note: Callable[[str], None]) -> Choice:
+                   source: str, note: Callable[[str], None], expert_share: float) -> Choice:
     """Measure, solve and emit, for decisions checked by check_decisions; `rows` reads a tensor's stored rows
     (from a GGUF, or from the converter's producer in kimi-convert's one pass)."""
     if cache_path is None:
@@ -84,9 +91,10 @@ def choose_decided(decisions: Decisions, budget_bytes: int, rows: RowReader, bas
             d = next(d for u in decisions.units for d in u.decisions if d.name == name)
             vectors[name] = imat.vector(d.name, d.shape)
         return vectors[name]
+    shares = token_shares(imat, expert_share)
     hulls = []
     for u in decisions.units:
-        errors = unit_errors(u, rows, vector, cache, threads)
+        errors = unit_errors(u, rows, vector, cache, threads, shares)
         hulls.append(lower_hull([Point(t, u.nbytes(t), errors[t]) for t in u.candidates]))
         vectors.clear()
     cache.save(note)
@@ -94,7 +102,7 @@ def choose_decided(decisions: Decisions, budget_bytes: int, rows: RowReader, bas
          + (f" ({cache_path})" if cache_path is not None else ""))
     solution = split_solve(decisions, hulls, budget_bytes, gpu_budget)
     return _choice(decisions, hulls, solution, budget, budget_bytes, source, base, allow_requantize,
-                   f"imatrix {getattr(imat, 'path', '?')}")
+                   f"imatrix {getattr(imat, 'path', '?')}", expert_share)
 
 
 def _dense(decisions: Decisions) -> Decisions:
@@ -130,7 +138,7 @@ def split_solve(decisions: Decisions, hulls: list, budget_bytes: int, gpu_budget
 
 
 def _choice(decisions: Decisions, hulls, solution: Solution, budget: Budget, budget_bytes: int, source: str,
-            base: Policy, allow_requantize: bool, imatrix: str) -> Choice:
+            base: Policy, allow_requantize: bool, imatrix: str, expert_share: float) -> Choice:
     chosen: list[Chosen] = []
     lines = []
     for u, h, i in zip(decisions.units, hulls, solution.choice):
@@ -152,7 +160,9 @@ def _choice(decisions: Decisions, hulls, solution: Solution, budget: Budget, bud
               f"candidates: {', '.join(t.name for t in types)}; {imatrix}",
               f"fixed (protected, pinned, no choice): {decimal_size(decisions.fixed_bytes)}; decided: "
               f"{len(decisions.units)} decisions, predicted error {solution.error:.6g}, lambda {solution.lam:.6g}",
-              f"base: {base.source}; error measure: imatrix-weighted relative error on sampled rows"]
+              f"base: {base.source}; error measure: imatrix-weighted relative error on sampled rows, each "
+              f"matrix weighted by its rows and its share of the tokens (a routed expert's: its imatrix count "
+              f"over a dense tensor's, else {expert_share:.4g})"]
     text = policy_text(chosen, header)
     policy = replace(parse_policy(text, source), inputs=base.inputs)
     return Choice(policy, text, budget_bytes, nbytes, decisions.floor(), decisions.ceiling(), lines)

@@ -7,8 +7,14 @@ vector (llama-imatrix's mean squared activations per column; all ones where the 
     e(x, T) = sum_j s_j (x_j - deq(q(x))_j)^2 / sum_j s_j x_j^2
 
 which is E|dW a|^2 / E|W a|^2 for activations a of diagonal covariance s: what ggml's quantizers minimise. A
-tensor's error is the mean of e over its sampled rows times its row count (an estimate of the sum over all
-rows, so a big tensor weighs more than a small one), and a decision's the sum over its tensors.
+matrix's error is the mean of e over its sampled rows times its row count (an estimate of the sum over all its
+rows, so a big matrix weighs more than a small one) times the share of the tokens that run through it: 1 for
+every tensor but the routed experts, and for expert j of a stacked tensor its imatrix count over the tokens a
+dense tensor saw (what llama-imatrix's unnormalised sums say of its routing), or num_experts_per_tok /
+num_experts where the imatrix does not say (a .dat). On K3 an expert runs for 16 tokens in 896 on average: a
+weight of an always-active tensor matters ~56 times as much to the output as one of an expert, and spending the
+bytes per weight alike would starve the 4% of the model every token runs through. A tensor's error is the sum
+over its matrices, a decision's the sum over its tensors.
 
 Rows: at least TENSOR_ROWS per tensor and EXPERT_ROWS per matrix (every expert of a stacked tensor is sampled),
 evenly strided from an offset seeded by the tensor's name (the same rows every run). The candidates of a tensor
@@ -39,7 +45,7 @@ from ..imatrix import expert_slice
 from ..plan import Decision
 from .units import Unit
 
-MEASURE_VERSION = 2
+MEASURE_VERSION = 3       # 3: matrices weighted by their share of the tokens
 EXPERT_ROWS = 4         # rows sampled per matrix at least: K3's 896 experts give 3,584 rows per expert tensor
 TENSOR_ROWS = 64        # rows sampled per tensor at least (all of them when it has fewer)
 
@@ -105,8 +111,25 @@ def gguf_rows(gf: GGUFFile) -> RowReader:
     return read
 
 
+# a tensor -> the share of the tokens each of its matrices runs for (None: 1 for each)
+Shares = Callable[[Decision], "np.ndarray | None"]
+
+
+def token_shares(imat, expert_share: float) -> Shares:
+    """The routed experts' shares from the imatrix's counts (Imatrix.usage), else `expert_share` each
+    (num_experts_per_tok / num_experts); None (1 each) for every other tensor."""
+    from .units import ROUTED_EXPERTS
+
+    def shares(d: Decision) -> np.ndarray | None:
+        if not ROUTED_EXPERTS.match(d.name):
+            return None
+        found = imat.usage(d.name, d.shape) if hasattr(imat, "usage") else None
+        return found if found is not None else np.full(d.shape[0], expert_share)
+    return shares
+
+
 def unit_errors(unit: Unit, read_rows: RowReader, vectors: Callable[[str], np.ndarray | None], cache: ErrorCache,
-                threads: int) -> dict[QT, float]:
+                threads: int, shares: Shares = lambda d: None) -> dict[QT, float]:
     """The error of each of `unit`'s candidates (keeping the stored type: 0)."""
     errors = {t: 0.0 for t in unit.candidates}
     for d in unit.decisions:
@@ -115,15 +138,18 @@ def unit_errors(unit: Unit, read_rows: RowReader, vectors: Callable[[str], np.nd
         stored = read_rows(d, [rows for _, rows in picked])
         samples = [(rows, None if vector is None else expert_slice(vector, d.shape, e))
                    for (e, _), rows in zip(picked, stored)]
-        n_rows = int(np.prod(d.shape[:-1], dtype=np.int64))
-        digest = _digest(d.name, samples)
+        weight = shares(d)
+        weights = np.ones(len(samples)) if weight is None else np.asarray(weight, np.float64)
+        rows_per_matrix = int(np.prod(d.shape[:-1], dtype=np.int64)) // len(samples)
+        digest = _digest(d.name, samples, weights)
         todo = [qt for qt in unit.candidates if qt != d.source and f"{digest}:{qt.name}" not in cache.entries]
         if todo:
             x = [dequantize(stored, d.source, threads=1) for stored, _ in samples]
-            measured = dict(zip(todo, _pool(threads).map(lambda qt: _tensor_error(x, samples, qt), todo)))
+            measured = dict(zip(todo, _pool(threads).map(lambda qt: _matrix_errors(x, samples, qt), todo)))
         for qt in unit.candidates:
             if qt != d.source:
-                errors[qt] += cache.get(f"{digest}:{qt.name}", lambda qt=qt: measured[qt] * n_rows)
+                errors[qt] += cache.get(f"{digest}:{qt.name}",
+                                        lambda qt=qt: float(measured[qt] @ weights) * rows_per_matrix)
     return errors
 
 
@@ -132,28 +158,28 @@ def _pool(threads: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max(1, threads), thread_name_prefix="kimi-target")
 
 
-def _digest(name: str, samples) -> str:
+def _digest(name: str, samples, weights: np.ndarray) -> str:
     h = hashlib.sha256(f"{MEASURE_VERSION}:{EXPERT_ROWS}:{TENSOR_ROWS}:{name}".encode())
     for stored, vector in samples:
         h.update(np.ascontiguousarray(stored).tobytes())
         h.update(b"-" if vector is None else np.ascontiguousarray(vector, dtype=np.float32).tobytes())
+    h.update(np.ascontiguousarray(weights, dtype=np.float64).tobytes())
     return h.hexdigest()
 
 
-def _tensor_error(x: list[np.ndarray], samples, qtype: QT) -> float:
-    """Mean relative weighted error over the sampled rows of one tensor: `x` its rows per matrix (float32),
-    `samples` their (stored rows, importance vector); every matrix quantized with its vector, then all widened
-    back at once."""
+def _matrix_errors(x: list[np.ndarray], samples, qtype: QT) -> np.ndarray:
+    """Per matrix of one tensor, the mean relative weighted error over its sampled rows: `x` its rows per matrix
+    (float32), `samples` their (stored rows, importance vector); every matrix quantized with its vector, then
+    all widened back at once."""
     quantized = [quantize(rows, qtype, vector, threads=1) for rows, (_, vector) in zip(x, samples)]
     back = dequantize(np.concatenate(quantized), qtype, threads=1)
-    total, n, at = 0.0, 0, 0
-    for rows, (_, vector) in zip(x, samples):
+    out, at = np.zeros(len(x)), 0
+    for m, (rows, (_, vector)) in enumerate(zip(x, samples)):
         y = back[at:at + rows.shape[0]]
         at += rows.shape[0]
         s = np.ones(rows.shape[1], np.float64) if vector is None else vector.astype(np.float64)
         xd = rows.astype(np.float64)
         num = ((xd - y) ** 2) @ s
         den = (xd ** 2) @ s
-        total += float(np.sum(np.divide(num, den, out=np.zeros_like(num), where=den > 0)))
-        n += rows.shape[0]
-    return total / max(n, 1)
+        out[m] = float(np.mean(np.divide(num, den, out=np.zeros_like(num), where=den > 0)))
+    return out
