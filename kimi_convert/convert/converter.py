@@ -487,6 +487,7 @@ def row_reader(plan: Plan) -> Callable[[str, int], np.ndarray | None]:
     checkpoint alone, or None for a transform whose rows are only made whole (RES_SCORE, A_LOG, K_B, V_B: small
     tensors). A copied or cast row is one pread of its bytes; a row of an MXFP4 expert is its codes and scales
     (two preads) repacked. --target-size samples so a few rows of each expert, not the checkpoint."""
+    from .checkpoint import NUMPY_DTYPE
     by_name = {t.name: t for t in plan.tensors}
     ckpt = plan.checkpoint
 
@@ -494,9 +495,7 @@ def row_reader(plan: Plan) -> Callable[[str, int], np.ndarray | None]:
         p = by_name[name]
         if p.rule.transform not in (COPY, CONV1D, EXPERTS):
             return None
-        stacked = p.rule.transform == EXPERTS
-        group = p.sources[row // p.shape[-2]] if stacked else p.sources[0]
-        local = row % p.shape[-2] if stacked else row
+        group, local = _row_source(p, row)
         n = p.shape[-1]
         if len(group) == 2:                     # an MXFP4 expert: (packed codes, E8M0 scales)
             codes = np.frombuffer(ckpt.read_raw(group[0], local * n // 2, n // 2), np.uint8).reshape(1, -1)
@@ -506,11 +505,18 @@ def row_reader(plan: Plan) -> Callable[[str, int], np.ndarray | None]:
             mxfp4.repack_into(codes, scales, out)
             return out.reshape(-1)
         t = group[0]
-        from .checkpoint import NUMPY_DTYPE
         itemsize = np.dtype(NUMPY_DTYPE[t.dtype]).itemsize
         values = np.frombuffer(ckpt.read_raw(t, local * n * itemsize, n * itemsize), NUMPY_DTYPE[t.dtype])
         return np.ascontiguousarray(cast(values, t.dtype, p.qtype)).view(np.uint8).reshape(-1)
     return read
+
+
+def _row_source(p: PlannedTensor, row: int) -> tuple[tuple[SourceTensor, ...], int]:
+    """The source tensors row `row` of `p` (counted across its matrices) is made from, and its row in them:
+    an expert's own tensors in a stacked expert tensor, else the one source."""
+    if p.rule.transform == EXPERTS and len(p.shape) == 3:
+        return p.sources[row // p.shape[-2]], row % p.shape[-2]
+    return p.sources[0], row
 
 
 def producers(plan: Plan) -> dict[str, Callable[[], Iterator]]:
@@ -523,9 +529,8 @@ def _source_of(plan: Plan) -> Callable[[str, int], str]:
     by_name = {t.name: t for t in plan.tensors}
 
     def source_of(name: str, row: int) -> str:
-        t = by_name[name]
-        group = t.sources[row // t.shape[-2]] if t.rule.transform == EXPERTS and len(t.shape) == 3 else t.sources[0]
-        return f"{group[0].path}: {group[0].name}"
+        source = _row_source(by_name[name], row)[0][0]
+        return f"{source.path}: {source.name}"
     return source_of
 
 

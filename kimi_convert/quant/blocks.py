@@ -12,7 +12,7 @@ from __future__ import annotations
 import gc
 import os
 from concurrent.futures import ThreadPoolExecutor
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Callable, ClassVar, Iterable
 
 import numpy as np
@@ -41,7 +41,7 @@ def _weighted(family: str, name: str, tables: tuple[str, ...] = ()) -> Kernel:
     return Kernel(f"{KERNELS}.{family}", name, "f32_2d", "f32_1d", "u8_2d", *tables)
 
 
-_BF16_TO_F32 = Kernel(f"{KERNELS}.legacy", "bf16_to_f32_rows", "u16_2d", "u32_2d", "u32_1d")
+_BF16_TO_F32 = Kernel(f"{KERNELS}.legacy", "bf16_to_f32_rows", "u16_2d", "u32_2d")
 _COUNT_NONFINITE = Kernel(f"{KERNELS}.legacy", "count_nonfinite_f32", "u32_2d", "u32_1d")
 
 
@@ -120,12 +120,6 @@ class BlockType:
             return buf
         return np.asarray(_gguf_quants.dequantize(data, cls.qtype), dtype=np.float32)
 
-    @classmethod
-    def checked_float32(cls, data: np.ndarray, buf: np.ndarray) -> tuple[np.ndarray, int]:
-        """to_float32's float32 rows, and how many of them are NaN or infinite."""
-        x = np.ascontiguousarray(cls.to_float32(data, buf), dtype=np.float32)
-        return x, _count_nonfinite(x)
-
 
 class GridType:
     """Mixin of the grid i-quants (IQ1_S ... IQ3_S: ``class IQ2_XXS(GridType, BlockType, qtype=...)``): their
@@ -188,16 +182,10 @@ class BF16(BlockType, qtype=QT.BF16):
 
     @classmethod
     def to_float32(cls, data, buf):
-        return cls.checked_float32(data, buf)[0]
-
-    @classmethod
-    def checked_float32(cls, data, buf):
         # gguf-py's BF16 dequantizer makes three temporaries of the whole chunk; BF16 is what most
-        # kimi-quantize inputs hold, so widen in place, in the kernel, which counts the NaNs and infinities
-        # in the same pass
-        n = np.zeros(1, np.uint32)
-        cls.widen(data.view(np.uint16), buf.view(np.uint32), n)
-        return buf, int(n[0])
+        # kimi-quantize inputs hold, so widen in place, in the kernel
+        cls.widen(data.view(np.uint16), buf.view(np.uint32))
+        return buf
 
 
 # --- 32-element blocks ---
@@ -444,10 +432,6 @@ class StoredType:
     def to_float32(self, data: np.ndarray, buf: np.ndarray) -> np.ndarray:
         return np.asarray(_gguf_quants.dequantize(data, self.qtype), dtype=np.float32)
 
-    def checked_float32(self, data: np.ndarray, buf: np.ndarray) -> tuple[np.ndarray, int]:
-        x = np.ascontiguousarray(self.to_float32(data, buf), dtype=np.float32)
-        return x, _count_nonfinite(x)
-
 
 def source_type(qtype: QT) -> "type[BlockType] | StoredType":
     """What reads rows stored as ``qtype``: its block type, or a StoredType for a type that is only copied."""
@@ -526,12 +510,10 @@ def quantize(values: np.ndarray, qtype: QT, imatrix: np.ndarray | None = None, *
         buf = np.empty((min(step, b - a), n_per_row), np.float32)
         for r in range(a, b, step):
             e = min(r + step, b)
-            if bt.refuses_nonfinite:
-                x, nonfinite = src.checked_float32(rows[r:e], buf[:e - r])
-                if nonfinite:
-                    raise NonFiniteError.first(x, r, nonfinite)
-            else:
-                x = np.ascontiguousarray(src.to_float32(rows[r:e], buf[:e - r]), dtype=np.float32)
+            x = np.ascontiguousarray(src.to_float32(rows[r:e], buf[:e - r]), dtype=np.float32)
+            # one pass over a piece already in cache, against a grid kernel hundreds of times its cost
+            if bt.refuses_nonfinite and (nonfinite := _count_nonfinite(x)):
+                raise NonFiniteError.first(x, r, nonfinite)
             bt.quantize_rows(x, qw, out[r:e])
 
     _on_threads(run, rows.shape[0], threads or default_threads(), max(1, CACHE_VALUES // n_per_row))
@@ -543,10 +525,8 @@ def kernels_for(pairs: Iterable[tuple[QT, QT, bool]]) -> list[Kernel]:
     target's quantizer (its _impl with an imatrix, where it has one)."""
     kernels: dict[int, Kernel] = {}
     for source, target, weighted in pairs:
-        widen = getattr(source_type(source), "widen", None)
-        if widen is None and block_type(target).refuses_nonfinite:
-            widen = _COUNT_NONFINITE            # the finite check of rows widened in numpy
-        for k in (widen, block_type(target).kernel(weighted)):
+        check = _COUNT_NONFINITE if block_type(target).refuses_nonfinite else None
+        for k in (getattr(source_type(source), "widen", None), check, block_type(target).kernel(weighted)):
             if k is not None:
                 kernels[id(k)] = k
     return list(kernels.values())
@@ -590,17 +570,16 @@ def _on_threads(run: Callable[[int, int], None], n_rows: int, threads: int, piec
     if piece_rows and n_rows > piece_rows * threads:
         starts = iter(range(0, n_rows, piece_rows))     # next() on it is atomic under the GIL
 
-        def work(_a: int = 0, _b: int = 0) -> None:
+        def take_pieces() -> None:
             for a in starts:
                 run(a, min(a + piece_rows, n_rows))
-        bounds = [0] * (threads + 1)
-        jobs = [work] * threads
+        jobs = [take_pieces] * threads
     else:
         bounds = np.linspace(0, n_rows, threads + 1).astype(int).tolist()
-        jobs = [run] * threads
-    others = [_pool(threads - 1).submit(job, a, b) for job, a, b in zip(jobs[1:], bounds[1:-1], bounds[2:])]
+        jobs = [partial(run, a, b) for a, b in zip(bounds, bounds[1:])]
+    others = [_pool(threads - 1).submit(job) for job in jobs[1:]]
     try:
-        jobs[0](bounds[0], bounds[1])
+        jobs[0]()
     finally:
         errors = [f.exception() for f in others]      # every range is done before this returns
     for e in errors:

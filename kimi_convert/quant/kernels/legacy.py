@@ -256,17 +256,12 @@ def bf16_rows(x, out):
 
 
 @njit(**JIT)
-def bf16_to_f32_rows(x, out, nonfinite):
-    """ggml_bf16_to_fp32_row: the bf16 bits become the top half of the float32 (exact, NaN payload kept).
-    nonfinite[0]: how many were NaN or infinite (exponent all ones), counted in the same pass."""
+def bf16_to_f32_rows(x, out):
+    """ggml_bf16_to_fp32_row: the bf16 bits become the top half of the float32 (exact, NaN payload kept)."""
     n_rows, n = x.shape
-    bad = np.uint32(0)
     for r in range(n_rows):
         for j in range(n):
-            u = np.uint32(x[r, j])
-            out[r, j] = u << np.uint32(16)
-            bad += np.uint32((u & np.uint32(0x7F80)) == np.uint32(0x7F80))
-    nonfinite[0] = bad
+            out[r, j] = np.uint32(x[r, j]) << np.uint32(16)
 
 
 @njit(**JIT)

@@ -123,7 +123,7 @@ def token_shares(imat, expert_share: float) -> Shares:
     def shares(d: Decision) -> np.ndarray | None:
         if not ROUTED_EXPERTS.match(d.name):
             return None
-        found = imat.usage(d.name, d.shape) if hasattr(imat, "usage") else None
+        found = imat.usage(d.name, d.shape)
         return found if found is not None else np.full(d.shape[0], expert_share)
     return shares
 
