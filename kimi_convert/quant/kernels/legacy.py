@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
 
-from .common import (F32, FLT_MAX, HALF, INLINE, JIT, abs_max, as_int8, f32_bits, fp32_to_fp16, make_qkx_quants, make_qx_quants,
-                     put_fp16, roundf, sum_sq)
+from .common import (F32, FLT_MAX, HALF, INLINE, JIT, abs_max, as_int8, element_ptr, f32_bits, fp32_to_fp16, is_f32_vector,
+                     make_qkx_quants, make_qx_quants, put_fp16, roundf, splat, sum_sq)
 
 
 # ====================================================================================================
@@ -35,18 +37,41 @@ def q8_0_rows(x, out):
                 y[p + 2 + j] = np.int64(roundf(xr[o + j] * idd)) & 0xFF
 
 
+@intrinsic
+def _q4_0_nibbles(typingctx, x, o, idd, y, p):
+    """y[p+j] = MIN(15, (int8_t)(x[o+j]*id + 8.5f)) | MIN(15, (int8_t)(x[o+16+j]*id + 8.5f)) << 4, j < 16, in
+    vector operations: LLVM keeps the scalar loop scalar (it cannot tell that y does not alias x); see abs_max. x*id lies in [-8, 8], so the int8 conversion cannot wrap; a NaN or an inf
+    gives INT_MIN on x86 (cvttps2dq), whose low bits are 0, as the scalar C conversion gives."""
+    if not (is_f32_vector(x) and idd == types.float32 and isinstance(y, types.Array) and y.dtype == types.uint8
+            and y.layout == "C"):
+        return None
+
+    def codegen(context, builder, sig, args):
+        xv, iv = ir.VectorType(ir.FloatType(), 16), ir.VectorType(ir.IntType(32), 16)
+        xp = builder.bitcast(element_ptr(context, builder, sig.args[0], args[0], args[1]), xv.as_pointer())
+        scale = splat(builder, args[2], xv)
+
+        def levels(v):
+            q = builder.fptosi(builder.fadd(builder.fmul(v, scale), ir.Constant(xv, [8.5] * 16)), iv)
+            return builder.select(builder.icmp_signed("<", q, ir.Constant(iv, [15] * 16)), q, ir.Constant(iv, [15] * 16))
+
+        first = levels(builder.load(xp, align=4))
+        second = levels(builder.load(builder.gep(xp, [ir.Constant(ir.IntType(64), 1)]), align=4))
+        packed = builder.trunc(builder.or_(first, builder.shl(second, ir.Constant(iv, [4] * 16))), ir.VectorType(ir.IntType(8), 16))
+        yp = element_ptr(context, builder, sig.args[3], args[3], args[4])
+        builder.store(packed, builder.bitcast(yp, packed.type.as_pointer()), align=1)
+        return context.get_dummy_value()
+
+    return types.none(x, o, idd, y, p), codegen
+
+
 @njit(**INLINE)
 def _q4_0_ref_block(xr, o, y, p):
     amax, mx = abs_max(xr, o, 32)
     d = mx / F32(-8.0)
     idd = F32(1.0) / d if d != 0 else F32(0.0)
     put_fp16(y, p, d)
-    for j in range(16):
-        # MIN(15, (int8_t)(x*id + 8.5f)): x*id lies in [-8, 8], so the int8 conversion cannot wrap; a NaN
-        # gives INT_MIN on x86 either way, whose low byte is 0 as in C
-        q0 = min(np.int32(15), np.int32(xr[o + j] * idd + F32(8.5)))
-        q1 = min(np.int32(15), np.int32(xr[o + 16 + j] * idd + F32(8.5)))
-        y[p + 2 + j] = np.uint8((q0 | (q1 << 4)) & 0xFF)
+    _q4_0_nibbles(xr, o, idd, y, p + 2)
 
 
 @njit(**JIT)
