@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -171,16 +172,21 @@ def test_bytes_equal_ggml(qtype, dist):
 
 
 def test_vector_kernels_equal_ggml_as_avx2_code(tmp_path):
-    """The kernels written as LLVM vector operations (abs_max's search, Q4_0's levels) are lowered to other
-    instructions on a CPU without AVX-512: built for haswell (AVX2 only), in a fresh cache, Q4_0 (32-wide search
-    and levels), Q5_0 and Q6_K (16-wide search) still give ggml's bytes on every input above."""
+    """The kernels written as LLVM vector operations (common.py: abs_max's search, weighted_grid_d2; Q4_0's
+    levels) are lowered to other instructions on a CPU without AVX-512. Built for haswell (AVX2 only) in a
+    fresh cache, they still give ggml's bytes: Q4_0 (32-wide search and levels), Q5_0 and Q6_K (16-wide
+    search) on every input above, IQ2_XXS (8-wide d2) and IQ3_S (4-wide) on their BF16 and MXFP4 rows."""
+    tests = Path(__file__).parent
+    selected = [f"{__file__}::test_bytes_equal_ggml[{t}-{dist}]" for t in ("Q4_0", "Q5_0", "Q6_K") for dist in DISTRIBUTIONS]
+    selected += [f"{tests / 'test_quant_iq2.py'}::test_bf16_and_dequantized_mxfp4_rows_with_imatrix[IQ2_XXS]",
+                 f"{tests / 'test_quant_iq3.py'}::test_bf16_and_dequantized_mxfp4_rows[IQ3_S-imatrix]",
+                 f"{tests / 'test_quant_iq3.py'}::test_bf16_and_dequantized_mxfp4_rows[IQ3_S-none]"]
     env = dict(os.environ, NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES="",
                KIMI_CONVERT_KERNEL_CACHE=str(tmp_path / "kernels"), NUMBA_CACHE_DIR=str(tmp_path / "numba"))
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider", __file__,
-                          "-k", "test_bytes_equal_ggml and (Q4_0 or Q5_0 or Q6_K)"],
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider", *selected],
                          env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
-    assert f"{3 * len(DISTRIBUTIONS)} passed" in run.stdout, run.stdout[-500:]
+    assert f"{len(selected)} passed" in run.stdout, run.stdout[-500:]
 
 
 @pytest.mark.parametrize("qtype", FLOAT_TYPES, ids=lambda t: t.name)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .common import F32, FLT_MAX, GROUP_MAX_EPS, HALF, INLINE, JIT, NO_WEIGHTS, QK_K, make_qp_quants, nearest_int, put_fp16
+from .common import (F32, FLT_MAX, GROUP_MAX_EPS, HALF, INLINE, JIT, NO_WEIGHTS, QK_K, make_qp_quants, nearest_int,
+                     put_fp16, weighted_grid_d2_8)
 
 GROUP_MAX_EPS_IQ2_S = F32(1e-8)
 KMAXQ = 3               # levels 0..2 per coordinate (grid values 1, 3, 5)
@@ -98,10 +99,7 @@ def _best_neighbour(neighbours, off, grid, xval, waux, k, scale, L):
     gi = -1
     for j in range(1, np.int64(neighbours[off]) + 1):
         p = np.int64(neighbours[off + j])
-        d2 = F32(0.0)
-        for i in range(8):
-            diff = scale * F32(grid[p, i]) - xval[8 * k + i]
-            d2 += waux[8 * k + i] * diff * diff
+        d2 = weighted_grid_d2_8(grid, p, xval, 8 * k, waux, 8 * k, scale)
         if d2 < best_d2:
             best_d2 = d2
             gi = p

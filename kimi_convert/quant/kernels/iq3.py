@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .common import F32, FLT_MAX, INLINE, JIT, NO_WEIGHTS, QK_K, nearest_int, put_fp16
+from .common import F32, FLT_MAX, INLINE, JIT, NO_WEIGHTS, QK_K, nearest_int, put_fp16, weighted_grid_d2_4
 
 K_MAX_Q = 8                         # levels 0..7, coordinates 2l+1
 IQ3_XXS_BYTES = 98                  # d, 64 grid indices, 8 x u32 (4 x 7 sign bits | 4-bit scale << 28)
@@ -45,10 +45,7 @@ def _best_neighbour(grid, neighbours, start, xval, waux, o, scale):
     best = -1
     for j in range(1, np.int64(neighbours[start]) + 1):
         g = np.int64(neighbours[start + j])
-        d2 = F32(0.0)
-        for i in range(4):
-            diff = scale * F32(grid[g, i]) - xval[o + i]
-            d2 += waux[o + i] * diff * diff
+        d2 = weighted_grid_d2_4(grid, g, xval, o, waux, o, scale)
         if d2 < best_d2:
             best_d2 = d2
             best = g
