@@ -153,7 +153,9 @@ def is_f32_vector(x):
 
 
 def element_ptr(context, builder, arytype, ary, index):
-    """LLVM pointer to ary[index] of a 1-D C-contiguous array."""
+    """LLVM pointer to the element at flat ``index`` of a C-contiguous array. The vector intrinsics load and
+    store whole blocks through it without bounds checks, as numba's own indexing does (its default): every
+    caller passes a block offset inside the row."""
     data = context.make_array(arytype)(context, builder, value=ary).data
     if index.type.width < 64:
         index = builder.sext(index, ir.IntType(64))

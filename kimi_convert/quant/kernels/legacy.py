@@ -39,9 +39,11 @@ def q8_0_rows(x, out):
 
 @intrinsic
 def _q4_0_nibbles(typingctx, x, o, idd, y, p):
-    """y[p+j] = MIN(15, (int8_t)(x[o+j]*id + 8.5f)) | MIN(15, (int8_t)(x[o+16+j]*id + 8.5f)) << 4, j < 16, in
-    vector operations: LLVM keeps the scalar loop scalar (it cannot tell that y does not alias x); see abs_max. x*id lies in [-8, 8], so the int8 conversion cannot wrap; a NaN or an inf
-    gives INT_MIN on x86 (cvttps2dq), whose low bits are 0, as the scalar C conversion gives."""
+    """y[p+j] = MIN(15, (int8_t)(x[o+j]*id + 8.5f)) | MIN(15, (int8_t)(x[o+16+j]*id + 8.5f)) << 4 for j < 16, as
+    16-lane vector operations and one 16-byte store. LLVM keeps the scalar loop scalar: it cannot tell that y
+    does not alias x (see abs_max for what both changes saved). x*id lies in [-8, 8], so the int8 conversion
+    cannot wrap; a NaN (or the inf of a subnormal d's inverse) converts to INT_MIN on x86 (cvttps2dq), whose
+    low bits are 0, as the scalar C conversion's are."""
     if not (is_f32_vector(x) and idd == types.float32 and isinstance(y, types.Array) and y.dtype == types.uint8
             and y.layout == "C"):
         return None
