@@ -168,6 +168,16 @@ class Imatrix:
             rows.append(CoverageRow(name, int(m[1]) if m else None, n_mat, entry is not None, zeros, per_matrix))
         return rows
 
+    def raw(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """(sums [n_counts, ne0], counts [n_counts]) as stored: what llama-imatrix --in-file adds to its own.
+        GGUF: in_sum2 and the lround-ed counts; .dat: the stored means x ncall and [ncall] (one count)."""
+        entry = self._entries[name]
+        with open(self.path, "rb") as f:
+            sums = _read_f32(f, entry.offset, entry.size, self.path, name)
+        if entry.counts is None:
+            return sums.reshape(1, -1), np.array([entry.ncall], np.float64)
+        return sums.reshape(entry.counts.size, -1), entry.counts.astype(np.float64)
+
     def _values(self, f, name: str, entry: _Entry) -> np.ndarray:
         sums = _read_f32(f, entry.offset, entry.size, self.path, name)
         if entry.counts is None:

@@ -43,22 +43,23 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from importlib import import_module
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 from gguf import GGUFValueType
 from gguf import GGMLQuantizationType as QT
 
 from ..convert import mxfp4
-from ..convert.checkpoint import NUMPY_DTYPE, Checkpoint, SourceTensor, bf16_to_f32, f32_to_bf16, to_f32
+from ..convert.checkpoint import Checkpoint, SourceTensor
 from ..convert.converter import OUTTYPES, _text_config, ssm_a
+from ..convert.values import converted_pieces, round_to, source_rows
 from ..constants import INDEXER_MATRIX_TYPES, Key, T, key
 from ..errors import KimiError
 from ..gguf_io import QUANT_SIZES, GGUFFile, GGUFTensor, dequantize, gguf_parts, open_gguf, read_gguf, same_shape
 from ..model import KimiConfig
 from ..quant.driver import imatrix_vectors, quantize_rows, row_chunks
 from ..quant.plan import Decision, QuantPlan
-from ..tensor_map import A_LOG, CONV1D, COPY, EXPERTS, K_B, RES_SCORE, V_B, gguf_tensors
+from ..tensor_map import A_LOG, CONV1D, COPY, EXPERTS, K_B, V_B, gguf_tensors
 from ..convert.vocab import SPECIAL_KEYS, ExpectedSpecial, checkpoint_specials, k3_specials
 
 SEQ_LEN = 32
@@ -422,57 +423,9 @@ class _Acc:
         self.n += e.size
 
 
-def _round_to(values: np.ndarray, qtype: QT) -> np.ndarray:
-    """What the converter storing f32 `values` as `qtype` gives back: RNE for BF16, the values otherwise
-    (F32, and MXFP4, whose repack keeps the checkpoint's codes)."""
-    return bf16_to_f32(f32_to_bf16(values)) if qtype == QT.BF16 else values
-
-
 def _gguf_values(t: GGUFTensor, index=slice(None)) -> np.ndarray:
     """Dequantised values of t.raw[index] (a row range or an expert), f32."""
     return np.asarray(dequantize(t.raw[index], t.qtype), dtype=np.float32)
-
-
-def _rows(src: SourceTensor, ckpt: Checkpoint, a: int, b: int) -> np.ndarray:
-    row = src.nbytes // src.shape[0]
-    raw = ckpt.read_raw(src, a * row, (b - a) * row)
-    return to_f32(np.frombuffer(raw, dtype=NUMPY_DTYPE[src.dtype]), src.dtype)
-
-
-def _expected_pieces(p, ckpt: Checkpoint, cfg: KimiConfig) -> Iterator[tuple[np.ndarray, Any]]:
-    """(the f32 values the converter computes, in GGUF layout, before rounding to its output type; the index
-    of the GGUF tensor's stored rows they stand for) of one planned tensor, in pieces bounded in size."""
-    tr = p.rule.transform
-    if tr in (COPY, CONV1D):
-        src = p.sources[0][0]
-        if len(src.shape) < 2 or tr == CONV1D:
-            yield ckpt.read_f32(src).reshape(-1), slice(None)
-            return
-        n_rows = src.shape[0]
-        per = max(1, CHUNK_ELEMS // max(1, int(np.prod(src.shape[1:]))))
-        for a in range(0, n_rows, per):
-            b = min(n_rows, a + per)
-            yield _rows(src, ckpt, a, b), slice(a, b)
-    elif tr == RES_SCORE:
-        norm, proj = (ckpt.read_f32(s).reshape(-1) for s in p.sources[0])
-        yield norm.astype(np.float32) * proj.astype(np.float32), slice(None)
-    elif tr == A_LOG:
-        yield ssm_a(ckpt.read_f32(p.sources[0][0]), cfg.n_head), slice(None)
-    elif tr in (K_B, V_B):
-        src = p.sources[0][0]
-        kv = ckpt.read_f32(src).reshape(cfg.n_head, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
-        part = (kv[:, :cfg.qk_nope_head_dim, :].transpose(0, 2, 1) if tr == K_B
-                else kv[:, cfg.qk_nope_head_dim:, :])
-        yield np.ascontiguousarray(part).reshape(-1), slice(None)
-    elif tr == EXPERTS:
-        for e, group in enumerate(p.sources):
-            if len(group) == 2:          # compressed-tensors MXFP4, decoded by its own definition
-                exp = mxfp4.decode_compressed(ckpt.read(group[0]), ckpt.read(group[1]))
-            else:
-                exp = ckpt.read_f32(group[0])
-            yield exp.reshape(-1), e
-    else:
-        raise AssertionError(f"unknown transform {tr}")
 
 
 def _mxfp4_repack(p, t: GGUFTensor) -> bool:
@@ -498,7 +451,7 @@ def compare_tensor(p, t: GGUFTensor, ckpt: Checkpoint, cfg: KimiConfig, imatrix=
     if p.rule.transform == A_LOG:
         # -exp(A_log[:H]) is computed, not copied: compared with the float64 value rounded to the
         # stored type, within 4 ulp (no float32 exp is correctly rounded everywhere)
-        want = _round_to(ssm_a(ckpt.read_f32(p.sources[0][0]), cfg.n_head), t.qtype)
+        want = round_to(ssm_a(ckpt.read_f32(p.sources[0][0]), cfg.n_head), t.qtype)
         got = _gguf_values(t).reshape(-1)
         ulp = np.abs(want.view(np.int32).astype(np.int64) - got.view(np.int32).astype(np.int64))
         ulp_max = int(ulp.max()) if ulp.size else 0
@@ -506,9 +459,9 @@ def compare_tensor(p, t: GGUFTensor, ckpt: Checkpoint, cfg: KimiConfig, imatrix=
         return row | {"ok": ok, "mode": "ulp", "max_ulp": ulp_max,
                       "detail": f"max {ulp_max} ulp from -exp(A_log) (bound 4)"}
     acc = _Acc()
-    for expected, index in _expected_pieces(p, ckpt, cfg):
+    for expected, index in converted_pieces(p, ckpt, cfg):
         got = _gguf_values(t, index).reshape(-1)
-        expected = _round_to(np.asarray(expected, np.float32), t.qtype)
+        expected = round_to(np.asarray(expected, np.float32), t.qtype)
         if t.qtype == QT.MXFP4:          # ggml's E2M1 table has no -0: code 8 decodes to +0
             expected, got = expected + np.float32(0), got + np.float32(0)
         acc.add(expected, got, acc.n)
@@ -529,10 +482,10 @@ def converted_rows(p, ckpt: Checkpoint, cfg: KimiConfig) -> Callable[[int, int],
     the fused scores) are made whole once."""
     if p.rule.transform == COPY and len(p.shape) == 2:
         src = p.sources[0][0]
-        return lambda a, b: _rows(src, ckpt, a, b)
+        return lambda a, b: source_rows(src, ckpt, a, b)
     if p.rule.transform == EXPERTS:
         return lambda a, b: _expert_rows(p, ckpt, a, b)
-    whole = np.concatenate([np.asarray(x, np.float32).reshape(-1) for x, _ in _expected_pieces(p, ckpt, cfg)])
+    whole = np.concatenate([np.asarray(x, np.float32).reshape(-1) for x, _ in converted_pieces(p, ckpt, cfg)])
     whole = whole.reshape(-1, p.shape[-1])
     return lambda a, b: whole[a:b]
 
@@ -543,7 +496,7 @@ def _expert_rows(p, ckpt: Checkpoint, a: int, b: int) -> np.ndarray:
     if len(group) == 2:                  # MXFP4, as ggml dequantizes it for a re-quantization (no -0)
         packed, scale = (ckpt.map(s) for s in group)
         return mxfp4.decode_compressed(packed[r:r + b - a], scale[r:r + b - a]) + np.float32(0)
-    return _rows(group[0], ckpt, r, r + b - a)
+    return source_rows(group[0], ckpt, r, r + b - a)
 
 
 def converted_types(p) -> tuple[QT, ...]:
@@ -607,7 +560,7 @@ def compare_quantized(p, t: GGUFTensor, ckpt: Checkpoint, cfg: KimiConfig, imatr
     (r, k), (a, b) = acc.first, acc.first_rows
     unit, at = ("values", "value") if bt.block_size == 1 else ("blocks", "block")
     plain = used and np.array_equal(    # the chunk that differs, quantized without the imatrix
-        quantize(_round_to(read(a, b), via).reshape(b - a, -1), t.qtype), stored[a:b])
+        quantize(round_to(read(a, b), via).reshape(b - a, -1), t.qtype), stored[a:b])
     return row | {"ok": False, "plain_matches": plain,
                   "detail": f"{acc.n_diff}/{acc.n} {t.qtype.name} {unit} differ from our quantization ({how}; "
                             f"first at row {r}, {at} {k})"
@@ -623,7 +576,7 @@ def _closest_conversion(d: Decision, read, vector, stored: np.ndarray, types: tu
     differs least from the file's (the first that matches), and the quantized chunks (a, b, bytes) from it."""
     best = None
     for qtype in types:
-        chunks = quantize_rows(replace(d, source=qtype), lambda a, b, q=qtype: _round_to(read(a, b), q), vector)
+        chunks = quantize_rows(replace(d, source=qtype), lambda a, b, q=qtype: round_to(read(a, b), q), vector)
         first = next(chunks)
         n_diff = int((first[2] != stored[first[0]:first[1]]).sum())
         if best is None or n_diff < best[0]:

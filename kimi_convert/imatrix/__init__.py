@@ -1,0 +1,1 @@
+"""kimi-imatrix: llama-imatrix's importance matrix on the streamed engine."""

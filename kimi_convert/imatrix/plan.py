@@ -1,0 +1,201 @@
+"""What a kimi-imatrix run will read, hold and take, before it starts (`--dry-run`, and the line every run prints).
+
+- bytes read: every tensor the engine multiplies or looks up (the blk.* tensors, the embedding, the final norm and
+  AttnRes score; `output` only with --process-output), each once;
+- token states: the stream plus the AttnRes banks a token carries at the deepest layer, float32; those beyond the
+  RAM budget spill to disk beside the output;
+- peak memory: this process as it stands (interpreter, torch, the plan), the largest layer's dense weights as
+  float32, one routed expert's three matrices, the FFN's whole-run activations, one attention slab's temporaries,
+  and the states held in RAM;
+- time: the run's multiply-adds at this machine's measured torch matmul rate, plus the weights' decoding at its
+  measured rate (timed here, on this machine, in well under a second).
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..constants import T
+from ..engine.weights import GGUFSource
+
+ATTN_SLAB_BYTES = 1 << 30          # the attention temporaries of one slab of chunks (Engine.slab_tokens)
+
+
+@dataclass
+class ImatrixPlan:
+    tokens: int
+    chunks: int
+    ctx: int
+    bytes_read: int
+    token_state_bytes: int
+    states_in_ram: int
+    peak_bytes: int
+    seconds: float
+    flops: float
+    matmul_rate: float
+    decode_rate: float
+    layers: int
+
+    def summary(self) -> str:
+        spill = self.token_state_bytes - self.states_in_ram
+        return (f"{self.tokens:,} tokens ({self.chunks} chunks of {self.ctx}) through {self.layers} layers: read "
+                f"{_h(self.bytes_read)}, token states {_h(self.token_state_bytes)}"
+                + (f" ({_h(spill)} spilled to disk)" if spill > 0 else "")
+                + f", peak memory ~{_h(self.peak_bytes)}, ~{_duration(self.seconds)} here")
+
+    def lines(self) -> list[str]:
+        return ["kimi-imatrix plan", self.summary(),
+                f"  bytes read         {self.bytes_read:,}",
+                f"  token states       {self.token_state_bytes:,} ({self.states_in_ram:,} in RAM)",
+                f"  peak memory        {self.peak_bytes:,}",
+                f"  time               {self.seconds:,.0f} s: {self.flops:.3g} multiply-adds x2 at "
+                f"{self.matmul_rate / 1e9:.1f} GFLOP/s, weights decoded at {self.decode_rate / 1e6:.0f} MB/s "
+                f"(both measured here now)"]
+
+    def as_json(self) -> dict:
+        return {"bytes_read": self.bytes_read, "peak_bytes": self.peak_bytes,
+                "token_state_bytes": self.token_state_bytes, "seconds": self.seconds, "tokens": self.tokens,
+                "chunks": self.chunks, "ctx": self.ctx, "states_in_ram": self.states_in_ram, "flops": self.flops,
+                "matmul_flops_per_s": self.matmul_rate, "decode_bytes_per_s": self.decode_rate}
+
+
+def _h(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _duration(s: float) -> str:
+    return f"{s:.0f} s" if s < 120 else f"{s / 60:.0f} min" if s < 7200 else f"{s / 3600:.1f} h"
+
+
+def available_ram() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+def default_state_ram() -> int:
+    return available_ram() // 2
+
+
+def _read_names(source, process_output: bool) -> list[str]:
+    names = [n for n in source.names() if n.startswith("blk.")]
+    names += [n for n in (T.TOKEN_EMBD, T.OUTPUT_NORM, T.OUTPUT_RES_SCORE) if n in source.names()]
+    if process_output:
+        names.append(T.OUTPUT)
+    return names
+
+
+def _elements(shape) -> int:
+    return int(np.prod(shape, dtype=np.int64))
+
+
+def layer_weights_f32(source, il: int) -> tuple[int, int]:
+    """(dense weights of layer il as float32, one expert's three matrices as float32) in bytes."""
+    prefix, dense, expert = f"blk.{il}.", 0, 0
+    for n in source.names():
+        if not n.startswith(prefix):
+            continue
+        shape = source.shape(n)
+        if "_exps." in n:
+            expert += 4 * _elements(shape[1:])
+        else:
+            dense += 4 * _elements(shape)
+    return dense, expert
+
+
+def multiply_adds(cfg, tokens: int, ctx: int) -> float:
+    """Multiply-adds of one run: every token through each layer's dense products, its k experts and the
+    attention over its chunk (T^2/2 per head)."""
+    total = 0.0
+    per_tok_attn = cfg.n_head * (cfg.kv_lora_rank * 2 + cfg.qk_rope_head_dim) * ctx / 2
+    for il in range(cfg.n_layer):
+        if cfg.is_kda(il):
+            d = cfg.d_inner
+            total += tokens * (cfg.n_embd * d * 5 + cfg.n_embd * cfg.kda_head_dim + cfg.kda_head_dim * d
+                               + cfg.n_embd * cfg.n_head + 2 * cfg.n_head * cfg.kda_head_dim ** 2)
+        else:
+            q = cfg.n_head * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+            total += tokens * (cfg.n_embd * cfg.q_lora_rank + cfg.q_lora_rank * q
+                               + cfg.n_embd * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+                               + cfg.n_head * cfg.qk_nope_head_dim * cfg.kv_lora_rank
+                               + cfg.n_head * cfg.v_head_dim * (cfg.kv_lora_rank + 2 * cfg.n_embd) + per_tok_attn)
+            if cfg.indexer is not None:
+                ix = cfg.indexer
+                total += tokens * (cfg.q_lora_rank * ix.n_head * ix.head_dim + cfg.n_embd * (ix.head_dim + ix.n_head)
+                                   + ix.n_head * ix.head_dim * ctx / 2)
+        if cfg.is_moe(il):
+            lat = cfg.n_lat
+            total += tokens * (cfg.n_embd * cfg.n_expert + 2 * cfg.n_embd * cfg.n_latent
+                               + cfg.n_expert_used * 3 * lat * cfg.n_ff_exp
+                               + 3 * cfg.n_embd * cfg.n_ff_exp * cfg.n_expert_shared)
+        else:
+            total += tokens * 3 * cfg.n_embd * cfg.n_ff
+    return total
+
+
+def measure_matmul_rate(seconds: float = 0.3) -> float:
+    """FLOP/s of torch's float32 matmul here, at a shape like the engine's (a slab of tokens by a layer matrix)."""
+    a, b = torch.randn(1024, 2048), torch.randn(2048, 2048)
+    a @ b
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        n += 1
+    return n * 2 * 1024 * 2048 * 2048 / (time.perf_counter() - t0)
+
+
+def measure_decode_rate(source, seconds: float = 0.2) -> float:
+    """Bytes of routed-expert weights decoded to float32 per second (one expert, repeatedly)."""
+    names = sorted(n for n in source.names() if n.endswith("ffn_gate_exps.weight"))
+    if not names:
+        return float("inf")
+    bytes_before = source.bytes_read
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds or n == 0:
+        source.expert(names[0], 0)
+        n += 1
+    done = source.bytes_read - bytes_before
+    source.bytes_read = bytes_before
+    return done / (time.perf_counter() - t0)
+
+
+def dry_run_plan(run) -> ImatrixPlan:
+    from .job import peak_rss
+    source, cfg, opts = run.source, run.cfg, run.opts
+    tokens, ctx = run.n_tokens, opts.ctx
+    names = _read_names(source, opts.process_output)
+    bytes_read = sum(source.nbytes(n) for n in names)
+    banks = math.ceil(cfg.n_layer / cfg.attn_res_block_size) if cfg.attn_res_block_size else 0
+    vector = tokens * cfg.n_embd * 4
+    state_bytes = vector * (1 + banks)
+    budget = opts.state_ram if opts.state_ram is not None else default_state_ram()
+    in_ram = vector + min(banks, max(0, (budget - vector) // vector)) * vector
+    dense, expert = max(layer_weights_f32(source, il) for il in range(cfg.n_layer))
+    ffn = tokens * 4 * (3 * cfg.n_embd + 2 * cfg.n_lat + 3 * cfg.n_expert + 2 * cfg.n_expert
+                        + 2 * cfg.n_ff_exp * max(cfg.n_expert_shared, 1))
+    attn = min(ATTN_SLAB_BYTES, run.n_chunks * cfg.n_head * ctx * ctx * 12) \
+        + 16 * run.slab_tokens() * max(cfg.d_inner, cfg.n_embd) * 4
+    peak = peak_rss() + dense + expert + ffn + attn + in_ram
+    flops = multiply_adds(cfg, tokens, ctx)
+    rate = measure_matmul_rate()
+    decode = measure_decode_rate(source)
+    expert_bytes = sum(source.nbytes(n) for n in names if "_exps." in n)
+    dense_bytes = bytes_read - expert_bytes
+    # decoding: the experts at the measured rate; dense weights (BF16 -> f32 widening) at the same rate
+    seconds = 2 * flops / rate + (expert_bytes + dense_bytes) / decode if math.isfinite(decode) else 2 * flops / rate
+    return ImatrixPlan(tokens, run.n_chunks, ctx, bytes_read, state_bytes, in_ram, int(peak), seconds, flops, rate,
+                       decode, cfg.n_layer)
