@@ -10,8 +10,11 @@
 #      read by tests/test_grids.py (never copied into the repo).
 #   5. llama-quantize's type-selection snapshots from the same sdist (tests/snapshots/*.schema) into
 #      .interop/llama.cpp/tests/snapshots, read by tests/test_mixtures.py (never copied into the repo).
-# Idempotent: each part is skipped when the exact version (and, for 1, the exact pinned binary) is present.
-# Usage: bash .ci/install-interop.sh [--no-llama-cpp-python] [--no-wllama]
+#   6. the real llama-imatrix and llama-quantize tools, built from the same sdist with the same pinned ggml flags
+#      (static, CPU only; about 8 min on 2 cores once per machine, then copied from a cache in a second), into
+#      .interop/bin for kimi_interop/llama_tools.py.
+# Idempotent: each part is skipped when the exact version (and, for 1 and 6, the exact pinned binary) is present.
+# Usage: bash .ci/install-interop.sh [--no-llama-cpp-python] [--no-wllama] [--no-llama-tools]
 set -euo pipefail
 
 LLAMA_CPP_PYTHON_VERSION=0.3.36
@@ -34,18 +37,22 @@ PYTHON="${PYTHON:-python}"
 # numeric_paths.py (stdlib only) knows what the pinned build's llama_print_system_info() reports, exactly
 NUMERIC_PATHS="$REPO_ROOT/kimi_interop/numeric_paths.py"
 PINNED_SYSTEM_INFO="$("$PYTHON" "$NUMERIC_PATHS" pinned-system-info)"
-# the built wheel is kept outside the clone, so that another clone on this machine reinstalls it in seconds
-WHEEL_DIR="${KIMI_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kimi-convert/wheels}/llama-cpp-python-$LLAMA_CPP_PYTHON_VERSION-x86-64-v3"
+# the built wheel (and part 6's tools) are kept outside the clone, so that another clone on this machine reinstalls
+# them in seconds
+BUILD_CACHE="${KIMI_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kimi-convert/wheels}"
+WHEEL_DIR="$BUILD_CACHE/llama-cpp-python-$LLAMA_CPP_PYTHON_VERSION-x86-64-v3"
 # records the flags and the sha256 of the libggml-cpu.so this script installed: any other build (pip's
 # cached native wheel, a plain `pip install llama-cpp-python`) has another hash and is rebuilt
 STAMP="$INTEROP_DIR/llama-cpp-python.stamp"
 
 do_llcpp=1
 do_wllama=1
+do_tools=1
 for arg in "$@"; do
   case "$arg" in
     --no-llama-cpp-python) do_llcpp=0 ;;
     --no-wllama) do_wllama=0 ;;
+    --no-llama-tools) do_tools=0 ;;
     *) echo "install-interop: unknown argument $arg" >&2; exit 2 ;;
   esac
 done
@@ -132,7 +139,7 @@ src="llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION/vendor/llama.cpp"
 sdist=""
 dl=""
 trap '[ -z "$dl" ] || rm -rf "$dl"' EXIT
-fetch_sdist() {  # the llama-cpp-python sdist, downloaded once for parts 3 and 4: sets $sdist
+fetch_sdist() {  # the llama-cpp-python sdist, downloaded once for parts 3 to 6: sets $sdist
   if [ -z "$sdist" ]; then
     dl="$(mktemp -d)"
     "$PYTHON" -m pip download --no-deps --no-binary :all: -d "$dl" "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
@@ -182,4 +189,69 @@ else
   rm -rf "${tree:?}/$snapshots"
   mv "$part/$snapshots" "$tree/$snapshots"
   rm -rf "$part"
+fi
+
+# 6. The real llama-imatrix and llama-quantize of the same tree (kimi_interop/llama_tools.py runs them), compiled from
+#    the sdist's vendor/llama.cpp with the ggml flags of part 1 and -fPIC as the wheel's objects have, so that ggml
+#    and llama run the same code as in llama-cpp-python. Static (BUILD_SHARED_LIBS=OFF): the two binaries need no
+#    library of ours at run time, only libgomp/libstdc++. Only their two targets are built (ggml, llama, common and
+#    the tools; no server, tests or examples). The binaries are kept in the build cache beside the wheel, keyed by
+#    version, flags and compiler, so that another clone on this machine copies them in a second; .interop/bin gets
+#    copies, not links (a cleaned cache must not break a working clone), with a stamp holding their hashes.
+if [ "$do_tools" = 1 ]; then
+  # LLAMA_OPENSSL=OFF: no libssl dependency (no download code is used); the tree ignores the old LLAMA_CURL
+  TOOLS_CMAKE_ARGS="-DCMAKE_BUILD_TYPE=Release -DCMAKE_POSITION_INDEPENDENT_CODE=ON -DBUILD_SHARED_LIBS=OFF \
+-DLLAMA_BUILD_COMMON=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF \
+-DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF"
+  tools=(llama-imatrix llama-quantize)
+  tools_bin="$INTEROP_DIR/bin"
+  # the compilers are part of the key: ggml's C kernels compiled by another gcc may round otherwise
+  compilers="$(cc --version 2>/dev/null | head -1 || echo 'no cc'); $(c++ --version 2>/dev/null | head -1 || echo 'no c++')"
+  tools_head="$(printf '%s\n%s %s\n%s' "$LLAMA_CPP_PYTHON_VERSION" "$GGML_CMAKE_ARGS" "$TOOLS_CMAKE_ARGS" "$compilers")"
+  TOOLS_CACHE="$BUILD_CACHE/llama-tools-$LLAMA_CPP_PYTHON_VERSION-x86-64-v3-$(sha256sum <<<"$tools_head" | cut -c1-12)"
+  tools_stamp() {  # what llama-tools.stamp says of the binaries in $1: version (line 1, read by llama_tools.py),
+    # flags, compiler, then their sha256 (a binary changed or half-copied since no longer matches)
+    printf '%s\n' "$tools_head"
+    (cd "$1" && sha256sum "${tools[@]}")
+  }
+  stamp_ok() { [ -f "$1/llama-tools.stamp" ] && [ "$(cat "$1/llama-tools.stamp")" = "$(tools_stamp "$1" 2>/dev/null)" ]; }
+  if stamp_ok "$tools_bin"; then
+    echo "install-interop: ${tools[*]} ($LLAMA_CPP_PYTHON_VERSION sdist, pinned flags) already in $tools_bin"
+  else
+    if stamp_ok "$TOOLS_CACHE"; then
+      echo "install-interop: copying ${tools[*]} built earlier from $TOOLS_CACHE"
+    else
+      command -v cmake >/dev/null || { echo "install-interop: cmake not found (apt-get install -y cmake)" >&2; exit 1; }
+      echo "install-interop: building ${tools[*]} from the llama-cpp-python $LLAMA_CPP_PYTHON_VERSION sdist (about 8 min on 2 cores)"
+      t0=$(date +%s)
+      fetch_sdist
+      work="$dl/tools"                                   # under $dl: removed on exit, also when the build fails
+      mkdir -p "$work"
+      # models/ (vocab files), docs/ and media/ are most of the tree's bytes and no part of the build
+      tar -xzf "$sdist" -C "$work" --strip-components=2 --exclude="$src/models" --exclude="$src/docs" \
+        --exclude="$src/media" "$src"
+      generator=()
+      if command -v ninja >/dev/null; then generator=(-G Ninja); fi
+      # shellcheck disable=SC2086  # the flag lists are word lists
+      cmake -S "$work/llama.cpp" -B "$work/build" "${generator[@]}" $GGML_CMAKE_ARGS $TOOLS_CMAKE_ARGS >"$work/configure.log" \
+        || { cat "$work/configure.log" >&2; exit 1; }
+      cmake --build "$work/build" --target "${tools[@]}" -j "${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
+      mkdir -p "$BUILD_CACHE"
+      part="$(mktemp -d "$BUILD_CACHE/.llama-tools.XXXXXX")"   # filled beside, then moved: never half a cache entry
+      for t in "${tools[@]}"; do cp "$work/build/bin/$t" "$part/$t"; done
+      tools_stamp "$part" > "$part/llama-tools.stamp"
+      rm -rf "$TOOLS_CACHE"
+      mv "$part" "$TOOLS_CACHE"
+      echo "install-interop: ${tools[*]} built in $(( $(date +%s) - t0 )) s, cached in $TOOLS_CACHE"
+    fi
+    mkdir -p "$tools_bin"
+    rm -f "$tools_bin/llama-tools.stamp"                 # a copy stopped half-way must not look installed
+    for t in "${tools[@]}"; do
+      cp "$TOOLS_CACHE/$t" "$tools_bin/.$t.part" && mv -f "$tools_bin/.$t.part" "$tools_bin/$t"
+    done
+    "$tools_bin/llama-imatrix" --version >/dev/null 2>&1 \
+      || { echo "install-interop: error: $tools_bin/llama-imatrix does not run:" >&2; "$tools_bin/llama-imatrix" --version >&2; exit 1; }
+    tools_stamp "$tools_bin" > "$tools_bin/llama-tools.stamp"
+    echo "install-interop: ${tools[*]} ($LLAMA_CPP_PYTHON_VERSION sdist) installed in $tools_bin"
+  fi
 fi

@@ -63,12 +63,11 @@ def imatrix(
       3      not enough free disk
       128+N  ended by signal N (a run with finished layers leaves its resume folder for --resume)
     """
-    from ..imatrix.job import ImatrixOptions, ImatrixRun
-    from ..imatrix.plan import dry_run_plan
-    from ..paths import Report, refuse_overlap, report_output
     started, result = time.time(), None
     try:
         with interrupts_raise(), ExitStack() as held:
+            ImatrixRun, dry_run_plan = _engine()
+            from ..paths import Report, refuse_overlap, report_output
             opts = _options(model, text, out, ctx, chunks, device, threads, output_format, in_file, process_output,
                             resume, force, state_ram, dry_run)
             reading(model)
@@ -97,6 +96,17 @@ def imatrix(
     console.print(f"{result.entries} entries from {result.tokens:,} tokens ({result.chunks} chunks of {ctx}) in "
                   f"{result.seconds:.1f} s; read {human(result.bytes_read)}, peak RSS {human(result.peak_rss)}",
                   highlight=False)
+
+
+def _engine():
+    """The job and its planner; the engine needs torch, which the plain install does not bring."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise KimiError("kimi-imatrix runs on torch: pip install 'kimi-convert[engine]' (torch==2.13.0)") from None
+    from ..imatrix.job import ImatrixRun
+    from ..imatrix.plan import dry_run_plan
+    return ImatrixRun, dry_run_plan
 
 
 def _options(model, text, out, ctx, chunks, device, threads, output_format, in_file, process_output, resume, force,

@@ -49,7 +49,7 @@ def add_in_files(entries: dict[str, Entry], paths: Iterable[Path], chunk_size: i
         if im.format == GGUF and im.chunk_size != chunk_size:
             raise ImatrixError(f"{path}: chunk size {im.chunk_size}, this run's is {chunk_size} (--ctx): "
                                f"the counts would not add up")
-        for name in im.names():
+        for name in im.names:
             sums, counts = im.raw(name)
             if im.format == DAT:
                 sums, counts = sums * np.float32(chunk_size), counts * chunk_size

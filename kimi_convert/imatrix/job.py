@@ -143,6 +143,8 @@ class ImatrixRun:
 
     def _tokenize(self) -> np.ndarray:
         text = read_text(self.opts.text)
+        if text.endswith(b"\n"):          # llama.cpp's -f drops one trailing newline (common/arg.cpp)
+            text = text[:-1]
         if not text.strip():
             raise ImatrixInputError(f"{self.opts.text}: the text is empty")
         self.tokenizer = self._tokenizer()
