@@ -148,3 +148,7 @@ def _measured(result, plan) -> dict:
 
 def main() -> None:
     run_app(app, "kimi-imatrix")
+
+
+if __name__ == "__main__":
+    main()

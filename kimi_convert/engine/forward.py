@@ -45,6 +45,9 @@ class Products:
     def __init__(self, w: Layer, stats: Stats | None, rounding: bool = True):
         self.w, self.stats = w, stats
         self.round = ops.vec_dot_round if rounding else (lambda x, qtype: x)
+        # llama.cpp's default KV cache (llama-imatrix, llama-perplexity: -ctk f16) holds the MLA latent and key
+        # in f16; its CPU flash attention reads them widened to f32 and computes in f32 (ops.cpp, the tiled path)
+        self.cache = (lambda x: x.to(torch.float16).to(ops.F32)) if rounding else (lambda x: x)
 
     def linear(self, template: str, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] @ W.T for W [M, K] (numpy order)."""
@@ -177,10 +180,11 @@ def mla(h: torch.Tensor, mm: Products, cfg: KimiConfig) -> torch.Tensor:
     kp = ckv[..., r:]                                                       # NoPE: not rotated
     qa = mm.per_head(T.ATTN_K_B, q[..., :d_n].contiguous())                 # [N, H, r]
     Q = torch.cat([qa, q[..., d_n:]], dim=-1).reshape(B, n_tok, H, r + d_r)
-    K = torch.cat([c, kp], dim=-1)                                          # the single KV head
+    K = mm.cache(torch.cat([c, kp], dim=-1))                                # the single KV head, as cached
+    V = K[..., :r]                                                          # V = the latent itself
     scores = torch.einsum("bthd,bsd->bhts", Q, K) * (1 / math.sqrt(d_n + d_r))
     p = torch.softmax(scores.masked_fill(~keep.unsqueeze(1), float("-inf")), dim=-1)
-    u = torch.einsum("bhts,bsr->bthr", p, c).reshape(B * n_tok, H, r)       # V = the latent itself
+    u = torch.einsum("bhts,bsr->bthr", p, V).reshape(B * n_tok, H, r)
     o = mm.per_head(T.ATTN_V_B, u.contiguous()).reshape(B, n_tok, H * cfg.v_head_dim)
     if w.has(T.ATTN_GATE):                        # the gate reads the normed layer input
         o = o * torch.sigmoid(mm.linear(T.ATTN_GATE, h))
