@@ -222,3 +222,25 @@ def test_dry_run_writes_nothing_but_its_json(k3, text, tmp_path):
     assert {"bytes_read", "peak_bytes", "token_state_bytes", "seconds"} <= set(plan)
     assert plan["tokens"] == CTX * CHUNKS and plan["bytes_read"] > 0
     assert leftovers(tmp_path) == ["plan.json"] and "bytes read" in p.stdout
+
+
+def test_k31_with_top_k_over_ctx_is_its_k3_twin_plus_the_indexer(k3, k31_dir, text, tmp_path):
+    """The K3.1 fixture is the K3 one plus an indexer (same seed, same tensors). With top_k (2048) >= ctx the
+    indexer keeps every earlier token, so every entry K3.1 shares with K3 is the twin's, bit for bit; and the
+    indexer's matrices read the inputs of others (k31-indexer.md): q_b the q latent c_q, as attn_q_b does; k and
+    proj the attention-normed h, as attn_q_a (and attn_kv_a_mqa, attn_gate) do."""
+    hf3, _, _ = k3
+    ours3, ours31 = tmp_path / "k3.gguf", tmp_path / "k31.gguf"
+    kimi_imatrix(hf3, "-f", text, "-o", ours3, "--ctx", CTX, "--chunks", CHUNKS)
+    kimi_imatrix(k31_dir, "-f", text, "-o", ours31, "--ctx", CTX, "--chunks", CHUNKS)
+    a, b = load_imatrix(ours3), load_imatrix(ours31)
+    indexer = [n for n in b.names if ".indexer." in n]
+    assert sorted(set(b.names) - set(a.names)) == indexer and set(a.names) <= set(b.names)
+    for n in a.names:
+        assert np.array_equal(a.raw(n)[0], b.raw(n)[0]) and np.array_equal(a.raw(n)[1], b.raw(n)[1]), n
+    reads = {"indexer.attn_q_b": "attn_q_b", "indexer.attn_k": "attn_q_a", "indexer.proj": "attn_q_a"}
+    assert len(indexer) == 2 * len(reads)                   # two MLA layers
+    for n in indexer:
+        layer, what = n.split(".")[1], n.split(".", 2)[2].removesuffix(".weight")
+        twin = f"blk.{layer}.{reads[what]}.weight"
+        assert np.array_equal(b.raw(n)[0], b.raw(twin)[0]) and np.array_equal(b.raw(n)[1], b.raw(twin)[1]), n
