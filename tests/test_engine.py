@@ -124,3 +124,17 @@ def test_states_spill_to_disk_beyond_the_budget(model, tmp_path):
     engine.run(ids, states)
     assert states.n_banks >= 1 and sorted(p.name for p in tmp_path.iterdir())   # banks went to disk
     assert np.array_equal(engine.final_hidden(states, slice(None)).numpy(), h_ram)
+
+
+def test_mxfp4_decoders_are_the_format_s_and_ggml_s():
+    from kimi_convert.convert import mxfp4
+    from kimi_convert.gguf_io import dequantize
+    rng = np.random.default_rng(6)
+    packed = rng.integers(0, 256, (16, 128), dtype=np.uint8)
+    scale = rng.integers(0, 160, (16, 8), dtype=np.uint8)          # 0: subnormal factors, exact in f32 too
+    want = mxfp4.decode_compressed(packed, scale) + np.float32(0)   # ggml's table has no -0
+    assert np.array_equal(ops.mxfp4_values(packed, scale).numpy(), want)
+    blocks = mxfp4.repack(packed, scale)
+    got = ops.mxfp4_block_values(blocks).numpy()
+    assert np.array_equal(got, np.asarray(dequantize(blocks, QT.MXFP4), np.float32).reshape(16, -1))
+    assert np.array_equal(got, want)

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QT
 
+from . import ops
 from ..constants import T, tname
 from ..convert.converter import build_plan
 from ..convert.values import converted_pieces, expert_values, round_to
@@ -78,6 +79,8 @@ class GGUFSource:
         t = self.gf.tensors[name]
         raw = t.raw_bytes().reshape(t.shape[0], -1)[e].reshape(t.shape[1], -1)    # one expert's bytes
         self.bytes_read += raw.nbytes
+        if t.qtype == QT.MXFP4:
+            return ops.mxfp4_block_values(np.ascontiguousarray(raw)).numpy()
         return np.asarray(dequantize(raw, t.qtype), np.float32).reshape(t.shape[1:])
 
     def rows(self, name: str, ids: np.ndarray) -> np.ndarray:
@@ -127,7 +130,11 @@ class CheckpointSource:
 
     def expert(self, name: str, e: int) -> np.ndarray:
         p = self.by_name[name]
-        self.bytes_read += sum(s.nbytes for s in p.sources[e])
+        group = p.sources[e]
+        self.bytes_read += sum(s.nbytes for s in group)
+        if len(group) == 2:                       # MXFP4 (packed codes, E8M0 scales)
+            ckpt = self.plan.checkpoint
+            return ops.mxfp4_values(ckpt.read(group[0]), ckpt.read(group[1])).numpy()
         return round_to(expert_values(p, self.plan.checkpoint, e), p.qtype).reshape(p.shape[1:])
 
     def rows(self, name: str, ids: np.ndarray) -> np.ndarray:
