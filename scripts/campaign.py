@@ -86,7 +86,7 @@ class Fixtures:
 
 FIXTURE_FILES = {"k3": "k3", "k31": "k31", "k3_gguf": "k3.gguf", "k31_gguf": "k31.gguf",
                  "imatrix_gguf": "k3.imatrix.gguf", "imatrix_dat": "k3.imatrix.dat", "policy": "q4k.toml",
-                 "split": "split"}
+                 "split": "split", "calib": "calib.txt"}
 QUANT_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K", "BF16", "F16")     # the campaign's policies choose among these
 POLICY_TEXT = ('default = "Q4_K"\n\n[[rules]]\npattern = "attn_(q_a|q_b|kv_a)"\ntype = "Q8_0"\n'
                'why = "low-rank projections"\n\n[[rules]]\npattern = "token_embd|output"\ntype = "Q6_K"\n')
@@ -98,6 +98,9 @@ def build_fixtures(base: Path) -> Fixtures:
     make_checkpoint(fx.k3, arch="k3", n_layers=4)
     make_checkpoint(fx.k31, arch="k31", n_layers=4)
     fx.policy.write_text(POLICY_TEXT)
+    import inspect
+    import argparse as calib_source
+    fx.calib.write_text(inspect.getsource(calib_source))        # kimi-imatrix's calibration text
     for name, prog, args in [("k3.gguf", "kimi-convert", [fx.k3, "{out}"]),
                              ("k31.gguf", "kimi-convert", [fx.k31, "{out}"])]:
         r = spawn(prog, [str(a).replace("{out}", str(base / name)) for a in args], base, timeout=300)
@@ -203,9 +206,12 @@ def load_apps() -> None:
     import kimi_convert.verify.check  # noqa: F401
     import kimi_convert.convert.vocab  # noqa: F401
     from gguf import GGMLQuantizationType as QT
+    import kimi_convert.imatrix.job  # noqa: F401
     from kimi_convert.cli import common, convert as convert_cli, quantize as quantize_cli, verify as verify_cli
+    from kimi_convert.cli import imatrix as imatrix_cli
     from kimi_convert.quant.blocks import load_kernels
-    APPS.update({"kimi-convert": convert_cli.convert_app, "kimi-quantize": quantize_cli.app, "kimi-verify": verify_cli.app})
+    APPS.update({"kimi-convert": convert_cli.convert_app, "kimi-quantize": quantize_cli.app, "kimi-verify": verify_cli.app,
+                 "kimi-imatrix": imatrix_cli.app})
     for prog, app in APPS.items():
         with redirect_stdout(io.StringIO()), redirect_stderr(io.StringIO()):
             try:
@@ -965,6 +971,17 @@ def case_options(c: Ctx) -> Case:
          "--layers"),
         ("kimi-verify", ["slice", k3, c.fx.k3_gguf, "--layers", "2"], "slice OUT_DIR is a file"),
         ("kimi-verify", ["slice", k3, k3, "--layers", "2", "--force"], "slice OUT_DIR is HF_DIR"),
+        ("kimi-imatrix", [rng.choice([k3, gguf]), "-f", c.fx.calib, "-o", out, "--ctx",
+                          rng.choice(["0", "8", "-1", "x", "2000000"])], "kimi-imatrix --ctx"),
+        ("kimi-imatrix", [gguf, "-f", c.fx.calib, "-o", out, "--output-format", rng.choice(["xyz", "", "GGUF"])],
+         "kimi-imatrix --output-format"),
+        ("kimi-imatrix", [gguf, "-f", c.fx.calib, "-o", gguf, "--force"], "kimi-imatrix over its model"),
+        ("kimi-imatrix", [k3, "-f", c.fx.calib, "-o", c.fx.calib, "--force"], "kimi-imatrix over its text"),
+        ("kimi-imatrix", [gguf, "-f", c.fx.calib], "kimi-imatrix without -o"),
+        ("kimi-imatrix", [gguf, "-f", c.out / "missing.txt", "-o", out], "kimi-imatrix text missing"),
+        ("kimi-imatrix", [gguf, "-f", c.fx.calib, "-o", out, "--in-file", c.fx.k31_gguf], "--in-file not an imatrix"),
+        ("kimi-imatrix", [gguf, "-f", c.fx.calib, "-o", out, "--ctx", "2048"], "kimi-imatrix text < 2 chunks"),
+        ("kimi-imatrix", [c.fx.policy, "-f", c.fx.calib, "-o", out], "kimi-imatrix model not a GGUF"),
     ]
     prog, args, what = rng.choice(table)
     return Case("options", what, prog, args, "bad")

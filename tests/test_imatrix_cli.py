@@ -244,3 +244,13 @@ def test_k31_with_top_k_over_ctx_is_its_k3_twin_plus_the_indexer(k3, k31_dir, te
         layer, what = n.split(".")[1], n.split(".", 2)[2].removesuffix(".weight")
         twin = f"blk.{layer}.{reads[what]}.weight"
         assert np.array_equal(b.raw(n)[0], b.raw(twin)[0]) and np.array_equal(b.raw(n)[1], b.raw(twin)[1]), n
+
+
+def test_kimi_quantize_without_an_imatrix_names_kimi_imatrix(k3, tmp_path):
+    _, gguf, _ = k3
+    code = "from kimi_convert.cli.quantize import main; main()"
+    for policy in (["--policy", "k3-iq1", "--allow-requantize"], ["--policy", "IQ2_XXS", "--allow-requantize"]):
+        p = subprocess.run([sys.executable, "-c", code, *policy, str(gguf), str(tmp_path / "q.gguf")],
+                           capture_output=True, text=True, env=ENV, timeout=300)
+        assert p.returncode == 1 and "kimi-imatrix" in p.stderr.splitlines()[-1], p.stderr
+    assert leftovers(tmp_path) == []

@@ -40,6 +40,8 @@ class ImatrixPlan:
     matmul_rate: float
     decode_rate: float
     layers: int
+    elements: float = 0.0
+    elementwise_rate: float = 0.0
 
     def summary(self) -> str:
         spill = self.token_state_bytes - self.states_in_ram
@@ -54,14 +56,16 @@ class ImatrixPlan:
                 f"  token states       {self.token_state_bytes:,} ({self.states_in_ram:,} in RAM)",
                 f"  peak memory        {self.peak_bytes:,}",
                 f"  time               {self.seconds:,.0f} s: {self.flops:.3g} multiply-adds x2 at "
-                f"{self.matmul_rate / 1e9:.1f} GFLOP/s, weights decoded at {self.decode_rate / 1e6:.0f} MB/s "
-                f"(both measured here now)"]
+                f"{self.matmul_rate / 1e9:.1f} GFLOP/s, {self.elements:.3g} element operations at "
+                f"{self.elementwise_rate / 1e9:.2f} G/s, experts decoded at {self.decode_rate / 1e6:.0f} MB/s "
+                f"(each rate measured here now)"]
 
     def as_json(self) -> dict:
         return {"bytes_read": self.bytes_read, "peak_bytes": self.peak_bytes,
                 "token_state_bytes": self.token_state_bytes, "seconds": self.seconds, "tokens": self.tokens,
                 "chunks": self.chunks, "ctx": self.ctx, "states_in_ram": self.states_in_ram, "flops": self.flops,
-                "matmul_flops_per_s": self.matmul_rate, "decode_bytes_per_s": self.decode_rate}
+                "matmul_flops_per_s": self.matmul_rate, "decode_bytes_per_s": self.decode_rate,
+                "elementwise_ops": self.elements, "elementwise_ops_per_s": self.elementwise_rate}
 
 
 def _h(n: float) -> str:
@@ -126,7 +130,7 @@ def multiply_adds(cfg, tokens: int, ctx: int) -> float:
         if cfg.is_kda(il):
             d = cfg.d_inner
             total += tokens * (cfg.n_embd * d * 5 + cfg.n_embd * cfg.kda_head_dim + cfg.kda_head_dim * d
-                               + cfg.n_embd * cfg.n_head + 2 * cfg.n_head * cfg.kda_head_dim ** 2)
+                               + cfg.n_embd * cfg.n_head)
         else:
             q = cfg.n_head * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
             total += tokens * (cfg.n_embd * cfg.q_lora_rank + cfg.q_lora_rank * q
@@ -145,6 +149,45 @@ def multiply_adds(cfg, tokens: int, ctx: int) -> float:
         else:
             total += tokens * 3 * cfg.n_embd * cfg.n_ff
     return total
+
+
+def elementwise_ops(cfg, tokens: int, ctx: int) -> float:
+    """Element operations of one run that are not matrix products (each a read-modify-write of one float): the
+    AttnRes mixes over the banked blocks, the norms, ggml's rounding and the statistics of every product's input,
+    the KDA convolutions, gates and delta-rule recurrence (H x D x D a token), the attention's softmax, the
+    routing, gathers and SiTU of the experts. Counted per token and layer from the shapes; the weights per op are
+    how many passes over the data each step makes."""
+    total = 0.0
+    B = cfg.attn_res_block_size
+    for il in range(cfg.n_layer):
+        banks = il // B + 1 if B else 0
+        per = 2 * (banks + 1) * cfg.n_embd * 10 + 2 * cfg.n_embd * 5         # the two mixes, the two norms
+        if cfg.is_kda(il):
+            d = cfg.d_inner
+            per += 4 * (5 * cfg.n_embd + cfg.kda_head_dim + d)                 # products' inputs
+            per += d * (3 * (2 * cfg.conv_kernel + 3) + 25) + 8 * cfg.n_head * cfg.kda_head_dim ** 2
+        else:
+            per += 4 * (4 * cfg.n_embd + cfg.q_lora_rank + cfg.n_head * (cfg.qk_nope_head_dim + cfg.v_head_dim
+                                                                          + cfg.kv_lora_rank))
+            per += 5 * cfg.n_head * ctx + 10 * cfg.n_head * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        if cfg.is_moe(il):
+            per += 10 * cfg.n_expert + 4 * (2 * cfg.n_embd + cfg.n_lat)
+            per += cfg.n_expert_used * (9 * cfg.n_lat + 18 * cfg.n_ff_exp)       # gather, round, SiTU, add
+            per += 18 * cfg.n_ff_exp * cfg.n_expert_shared + 5 * cfg.n_lat
+        else:
+            per += 4 * (2 * cfg.n_embd) + 18 * cfg.n_ff
+        total += tokens * per
+    return total
+
+
+def measure_elementwise_rate(seconds: float = 0.2) -> float:
+    """Element operations a second of torch here (a multiply-add chain over 16 M floats, past the caches)."""
+    x, y = torch.rand(1 << 24), torch.rand(1 << 24)
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds or n == 0:
+        x = x * y + y
+        n += 2
+    return n * x.numel() / (time.perf_counter() - t0)
 
 
 def measure_matmul_rate(seconds: float = 0.3) -> float:
@@ -191,11 +234,10 @@ def dry_run_plan(run) -> ImatrixPlan:
         + 16 * run.slab_tokens() * max(cfg.d_inner, cfg.n_embd) * 4
     peak = peak_rss() + dense + expert + ffn + attn + in_ram
     flops = multiply_adds(cfg, tokens, ctx)
-    rate = measure_matmul_rate()
+    elements = elementwise_ops(cfg, tokens, ctx)
+    rate, elem_rate = measure_matmul_rate(), measure_elementwise_rate()
     decode = measure_decode_rate(source)
     expert_bytes = sum(source.nbytes(n) for n in names if "_exps." in n)
-    dense_bytes = bytes_read - expert_bytes
-    # decoding: the experts at the measured rate; dense weights (BF16 -> f32 widening) at the same rate
-    seconds = 2 * flops / rate + (expert_bytes + dense_bytes) / decode if math.isfinite(decode) else 2 * flops / rate
+    seconds = 2 * flops / rate + elements / elem_rate + (expert_bytes / decode if math.isfinite(decode) else 0.0)
     return ImatrixPlan(tokens, run.n_chunks, ctx, bytes_read, state_bytes, in_ram, int(peak), seconds, flops, rate,
-                       decode, cfg.n_layer)
+                       decode, cfg.n_layer, elements, elem_rate)

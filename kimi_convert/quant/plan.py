@@ -250,7 +250,8 @@ def write_blockers(plan: QuantPlan, imatrix: Container[str] | None, imatrix_path
     if needing and imatrix is None:
         d = needing[0]
         out.append(f"{d.name}: {d.target.name} needs an importance matrix (--imatrix FILE), as llama-quantize "
-                   f"requires for it ({len(needing)} tensor(s) need one)")
+                   f"requires for it ({len(needing)} tensor(s) need one); kimi-imatrix MODEL -f TEXT -o FILE makes "
+                   f"one from the checkpoint or the GGUF")
     elif needing:
         missing = [d.name for d in needing if d.name not in imatrix]
         if missing:

@@ -48,7 +48,8 @@ PRESETS = resources.files("kimi_convert.quant").joinpath("presets")   # package 
 TOP_KEYS, RULE_KEYS = {"default", "rules", "description", "requires"}, {"pattern", "type", "why"}
 # what a policy may require of a run: the option that provides it, and why a policy would need it
 REQUIREMENTS = {
-    "imatrix": ("--imatrix FILE", "low-bit types need importance weights to choose their scales"),
+    "imatrix": ("--imatrix FILE", "low-bit types need importance weights to choose their scales; make one from the "
+                                  "checkpoint or this file with kimi-imatrix MODEL -f TEXT -o FILE"),
     "allow-requantize": ("--allow-requantize", "it re-quantizes tensors that are already quantized, "
                                                "such as MXFP4 experts"),
 }
