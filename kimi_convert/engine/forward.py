@@ -247,6 +247,7 @@ class Engine:
     stats: Stats | None = None
     slab_tokens: int = 4096          # tokens in one attention slab (whole chunks)
     rounding: bool = True            # llama.cpp's activation rounding before each weight product (ops)
+    routed: bool = True              # False: the routed experts are skipped (the dry run times the rest alone)
 
     @property
     def cfg(self) -> KimiConfig:
@@ -289,7 +290,7 @@ class Engine:
             return None
         sel, wts = route(x, mm, cfg)
         z = mm.linear(T.FFN_ROUTED_DOWN, x) if mm.w.has(T.FFN_ROUTED_DOWN) else x
-        y = routed_experts(z, sel, wts, mm, cfg)
+        y = routed_experts(z, sel, wts, mm, cfg) if self.routed else torch.zeros_like(z)
         del z
         if mm.w.has(T.FFN_ROUTED_NORM):
             y = ops.rms_norm(y, cfg.rms_eps) * mm.w(T.FFN_ROUTED_NORM)

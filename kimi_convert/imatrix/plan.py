@@ -7,8 +7,9 @@
 - peak memory: this process as it stands (interpreter, torch, the plan), the largest layer's dense weights as
   float32, one routed expert's three matrices, the FFN's whole-run activations, one attention slab's temporaries,
   and the states held in RAM;
-- time: the run's multiply-adds at this machine's measured torch matmul rate, plus the weights' decoding at its
-  measured rate (timed here, on this machine, in well under a second).
+- time: one chunk timed through one layer of each kind at the model's widths (zero weights, nothing read), scaled
+  to the run's tokens and layers; the routed experts' multiply-adds at the measured matmul rate and their
+  SiTU and gathers at the measured element rate; their decoding at the measured rate (all timed here, now).
 """
 from __future__ import annotations
 
@@ -190,30 +191,105 @@ def measure_elementwise_rate(seconds: float = 0.2) -> float:
     return n * x.numel() / (time.perf_counter() - t0)
 
 
-def measure_matmul_rate(seconds: float = 0.3) -> float:
-    """FLOP/s of torch's float32 matmul here, at a shape like the engine's (a slab of tokens by a layer matrix)."""
-    a, b = torch.randn(1024, 2048), torch.randn(2048, 2048)
+def measure_matmul_rate(m: int = 1024, k: int = 2048, n: int = 2048, seconds: float = 0.3) -> float:
+    """FLOP/s of torch's float32 matmul here, at a shape like the engine's: m tokens by a [n, k] matrix (a slab
+    through a layer matrix; a routed expert's share of the tokens through one expert)."""
+    m, k, n = max(1, min(m, 4096)), min(k, 8192), min(n, 8192)
+    a, b = torch.randn(m, k), torch.randn(k, n)
     a @ b
-    n, t0 = 0, time.perf_counter()
+    count, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         a @ b
-        n += 1
-    return n * 2 * 1024 * 2048 * 2048 / (time.perf_counter() - t0)
+        count += 1
+    return count * 2 * m * k * n / (time.perf_counter() - t0)
 
 
-def measure_decode_rate(source, seconds: float = 0.2) -> float:
-    """Bytes of routed-expert weights decoded to float32 per second (one expert, repeatedly)."""
-    names = sorted(n for n in source.names() if n.endswith("ffn_gate_exps.weight"))
+def measure_decode_rate(source, seconds: float = 0.3) -> float:
+    """Bytes of routed-expert weights read and decoded to float32 per second: distinct experts of the last MoE
+    layer, as the run reads them (from the page cache or the disk: a real run reads each byte once)."""
+    names = sorted(n for n in source.names() if n.endswith("ffn_down_exps.weight"))
     if not names:
         return float("inf")
-    bytes_before = source.bytes_read
+    name, bytes_before = names[-1], source.bytes_read
     n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds or n == 0:
-        source.expert(names[0], 0)
+    while (time.perf_counter() - t0 < seconds or n == 0) and n < source.shape(name)[0]:
+        source.expert(name, n)
         n += 1
     done = source.bytes_read - bytes_before
     source.bytes_read = bytes_before
     return done / (time.perf_counter() - t0)
+
+
+def measure_dense_rate(source, seconds: float = 0.2) -> float:
+    """Bytes of the largest dense weight read and widened to float32 per second."""
+    dense = [n for n in source.names() if n.startswith("blk.") and "_exps." not in n]
+    if not dense:
+        return float("inf")
+    name, bytes_before = max(dense, key=source.nbytes), source.bytes_read
+    t0 = time.perf_counter()
+    source.values(name)
+    done = source.bytes_read - bytes_before
+    source.bytes_read = bytes_before
+    return done / max(time.perf_counter() - t0, 1e-9)
+
+
+class ShapeSource:
+    """A source with the model's names, shapes and types whose tensors are zeros: the engine's work on one chunk
+    at the real widths, timed without reading the model (the dry run's calibration)."""
+
+    def __init__(self, source):
+        self.config, self.path, self.bytes_read, self.source = source.config, source.path, 0, source
+
+    def names(self):
+        return self.source.names()
+
+    def qtype(self, name):
+        return self.source.qtype(name)
+
+    def shape(self, name):
+        return self.source.shape(name)
+
+    def nbytes(self, name):
+        return self.source.nbytes(name)
+
+    def values(self, name):
+        return np.zeros(self.shape(name), np.float32)
+
+    def expert(self, name, e):
+        return np.zeros(self.shape(name)[1:], np.float32)
+
+
+def measure_layer_seconds(source, ctx: int) -> dict[tuple[bool, bool], float]:
+    """Seconds a token of one chunk takes through one layer of each kind (KDA or MLA, dense or MoE), everything
+    but the routed experts, at the model's widths, measured here now on zero weights (no file is read)."""
+    from ..engine.forward import Engine
+    from ..engine.states import TokenStates
+    from .collect import ImatrixStats
+    cfg = source.config
+    kinds: dict[tuple[bool, bool], int] = {}
+    for il in range(cfg.n_layer):
+        kinds.setdefault((cfg.is_kda(il), cfg.is_moe(il)), il)
+    out = {}
+    zeros = ShapeSource(source)
+    for kind, il in kinds.items():
+        states = TokenStates(1, ctx, cfg.n_embd)
+        states.set_stream(np.random.default_rng(0).standard_normal((ctx, cfg.n_embd)).astype(np.float32))
+        for _ in range(il // cfg.attn_res_block_size + 1 if cfg.attn_res_block_size else 0):
+            states.bank_stream()
+        engine = Engine(zeros, stats=ImatrixStats(cfg.n_expert), slab_tokens=ctx, routed=False)
+        t0 = time.perf_counter()
+        engine.layer(il, states)
+        out[kind] = (time.perf_counter() - t0) / ctx
+    return out
+
+
+def routed_multiply_adds(cfg, tokens: int) -> float:
+    moe = sum(cfg.is_moe(il) for il in range(cfg.n_layer))
+    return float(tokens) * moe * cfg.n_expert_used * 3 * cfg.n_lat * cfg.n_ff_exp
+
+
+def _over(nbytes: float, rate: float) -> float:
+    return nbytes / rate if math.isfinite(rate) and rate > 0 else 0.0
 
 
 def dry_run_plan(run) -> ImatrixPlan:
@@ -238,6 +314,14 @@ def dry_run_plan(run) -> ImatrixPlan:
     rate, elem_rate = measure_matmul_rate(), measure_elementwise_rate()
     decode = measure_decode_rate(source)
     expert_bytes = sum(source.nbytes(n) for n in names if "_exps." in n)
-    seconds = 2 * flops / rate + elements / elem_rate + (expert_bytes / decode if math.isfinite(decode) else 0.0)
+    per_token = measure_layer_seconds(source, ctx)
+    layers = sum(per_token[(cfg.is_kda(il), cfg.is_moe(il))] for il in range(cfg.n_layer)) * tokens
+    per_expert = tokens * cfg.n_expert_used // max(cfg.n_expert, 1)          # an expert's share of the tokens
+    expert_rate = measure_matmul_rate(per_expert, cfg.n_lat, cfg.n_ff_exp)
+    routed = 2 * routed_multiply_adds(cfg, tokens) / expert_rate
+    routed += cfg.n_expert_used * (9 * cfg.n_lat + 18 * cfg.n_ff_exp) * tokens / elem_rate * \
+        sum(cfg.is_moe(il) for il in range(cfg.n_layer))
+    dense_rate = measure_dense_rate(source)
+    seconds = layers + routed + _over(expert_bytes, decode) + _over(bytes_read - expert_bytes, dense_rate)
     return ImatrixPlan(tokens, run.n_chunks, ctx, bytes_read, state_bytes, in_ram, int(peak), seconds, flops, rate,
                        decode, cfg.n_layer, elements, elem_rate)
