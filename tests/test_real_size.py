@@ -488,3 +488,30 @@ def test_work_estimate_at_real_widths(real_widths, outtype, first, measured, map
     used = _traced_peak(plan, first, measured) + mapped * sum(s.nbytes for s in p.sources[0])
     # within 1 MiB below (interpreter objects around the buffers) and at most 35% above
     assert used - MiB <= p.work_bytes <= 1.35 * used, (measured, used / MiB, p.work_bytes / MiB)
+
+
+def test_imatrix_dry_run_on_the_real_k3_at_100k_tokens(real_k3, tmp_path):
+    """kimi-imatrix --dry-run on the real K3 at 200 chunks of 512 tokens: it reads the text tensors' bytes (all
+    but `output`, which only --process-output multiplies), holds 9 state vectors a token (the stream and 8 AttnRes
+    banks) with those beyond the RAM budget spilled, and plans a peak under 64 GB. Nothing is written but --json."""
+    import inspect
+    import argparse, ast, collections, difflib, pydoc, typing
+    text = tmp_path / "calib.txt"
+    text.write_text("".join(inspect.getsource(m) for m in (argparse, ast, collections, difflib, pydoc, typing)))
+    report = tmp_path / "plan.json"
+    code = "from kimi_convert.cli.imatrix import main; main()"
+    p = subprocess.run([sys.executable, "-c", code, str(real_k3.path), "-f", str(text), "-o", str(tmp_path / "k3.im"),
+                        "--ctx", "512", "--chunks", "200", "--dry-run", "--json", str(report), "--state-ram", "12G"],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    plan = json.loads(report.read_text())
+    ckpt = Checkpoint(real_k3.path)
+    text_bytes = sum(t.nbytes for t in ckpt.tensors.values() if not t.name.startswith(("vision_tower.",
+                                                                                        "mm_projector.")))
+    head = sum(t.nbytes for t in ckpt.tensors.values() if t.name.endswith("lm_head.weight"))
+    assert plan["bytes_read"] == text_bytes - head
+    assert plan["tokens"] == 102_400
+    assert plan["token_state_bytes"] == 102_400 * 7168 * 4 * 9
+    assert plan["states_in_ram"] <= 12e9 < plan["token_state_bytes"]        # the rest spills beside the output
+    assert plan["peak_bytes"] < 64e9 and plan["seconds"] > 0
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["calib.txt", "plan.json"]

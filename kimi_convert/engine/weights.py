@@ -26,7 +26,7 @@ from ..convert.values import converted_pieces, expert_values, round_to
 from ..errors import CheckpointError
 from ..gguf_io import GGUFFile, dequantize, open_gguf
 from ..model import KimiConfig
-from ..tensor_map import gguf_tensors
+from ..tensor_map import K_B, V_B, gguf_tensors
 
 ROW_SLAB_BYTES = 16 << 20      # bytes of a 2-D tensor dequantized at a time for a row lookup
 
@@ -108,6 +108,7 @@ class CheckpointSource:
         self.config = self.plan.config
         self.by_name = {p.name: p for p in self.plan.tensors}
         self.bytes_read = 0
+        self._kv_b: tuple[str, np.ndarray] | None = None    # kv_b makes attn_k_b and attn_v_b: read it once
 
     def names(self) -> set[str]:
         return set(self.by_name)
@@ -119,14 +120,32 @@ class CheckpointSource:
         return tuple(self.by_name[name].shape)
 
     def nbytes(self, name: str) -> int:
-        return sum(s.nbytes for group in self.by_name[name].sources for s in group)
+        """Bytes read for the tensor; attn_v_b's source is attn_k_b's, counted (and read) with attn_k_b."""
+        p = self.by_name[name]
+        if p.rule.transform == V_B:
+            return 0
+        return sum(s.nbytes for group in p.sources for s in group)
 
     def values(self, name: str) -> np.ndarray:
         p = self.by_name[name]
+        if p.rule.transform in (K_B, V_B):
+            return self._kv_b_half(p)
         self.bytes_read += self.nbytes(name)
         flat = np.concatenate([np.asarray(v, np.float32).reshape(-1)
                                for v, _ in converted_pieces(p, self.plan.checkpoint, self.config)])
         return round_to(flat, p.qtype).reshape(p.shape)
+
+    def _kv_b_half(self, p) -> np.ndarray:
+        """attn_k_b [H, r, d_n] or attn_v_b [H, d_v, r] from the one kv_b_proj read (converter._split_kv_b)."""
+        src, cfg = p.sources[0][0], self.config
+        if self._kv_b is None or self._kv_b[0] != src.name:
+            self.bytes_read += src.nbytes
+            kv = self.plan.checkpoint.read_f32(src)
+            self._kv_b = (src.name, kv.reshape(cfg.n_head, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank))
+        kv = self._kv_b[1]
+        half = kv[:, :cfg.qk_nope_head_dim].transpose(0, 2, 1) if p.rule.transform == K_B \
+            else kv[:, cfg.qk_nope_head_dim:]
+        return round_to(np.ascontiguousarray(half), p.qtype)
 
     def expert(self, name: str, e: int) -> np.ndarray:
         p = self.by_name[name]
