@@ -138,3 +138,18 @@ def test_mxfp4_decoders_are_the_format_s_and_ggml_s():
     got = ops.mxfp4_block_values(blocks).numpy()
     assert np.array_equal(got, np.asarray(dequantize(blocks, QT.MXFP4), np.float32).reshape(16, -1))
     assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("n_tok,lower_bound", [(37, -5.0), (70, -40.0)])
+def test_chunkwise_delta_rule_is_the_token_loop(n_tok, lower_bound):
+    """The chunked solve against the recurrence as written, on K3's bounded gate and on a decay strong enough
+    (40 a token) that the chunks take the form whose exponents are all <= 0; lengths not a multiple of a chunk."""
+    from kimi_convert.engine.forward import delta_rule, delta_rule_chunked
+    g = torch.Generator().manual_seed(7)
+    B, H, D = 2, 3, 16
+    q, k = (torch.nn.functional.normalize(torch.randn(B, n_tok, H, D, generator=g), dim=-1) for _ in range(2))
+    v = torch.randn(B, n_tok, H, D, generator=g)
+    gate = lower_bound * torch.sigmoid(torch.randn(B, n_tok, H, D, generator=g))
+    beta = torch.sigmoid(torch.randn(B, n_tok, H, generator=g))
+    want = delta_rule(q, k, v, gate, beta)
+    torch.testing.assert_close(delta_rule_chunked(q, k, v, gate, beta), want, rtol=0, atol=1e-6)

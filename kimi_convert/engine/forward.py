@@ -117,6 +117,52 @@ def delta_rule(q, k, v, g, beta) -> torch.Tensor:
     return out
 
 
+DELTA_CHUNK = 32        # tokens a chunk of the chunkwise delta rule solves at once (see delta_rule_chunked)
+EXP_RANGE = 60.0        # |log-decay| from a chunk's middle within which e^(+-x) factors stay far inside float32
+
+
+def delta_rule_chunked(q, k, v, g, beta, chunk: int = DELTA_CHUNK) -> torch.Tensor:
+    """delta_rule's output, C tokens at a time as matrix products (the state S0 carried between chunks).
+
+    Within a chunk, with b_t = the cumulative log-decay sum_{s<=t} g_s (per key channel):
+      S'_t^T k_t = S0^T (e^{b_t} k_t) + sum_{s<t} A_ts delta_s,   A_ts = sum_c k_t,c k_s,c e^{b_t,c - b_s,c}
+    so (I + diag(beta) A) delta = beta (V - (e^b * K) S0): one unit lower-triangular solve; then
+      o_t = S0^T (e^{b_t} q_t) + sum_{s<=t} P_ts delta_s,  P_ts = sum_c q_t,c k_s,c e^{b_t,c - b_s,c}
+      S_C = e^{b_C} * S0 + (K * e^{b_C - b})^T delta.
+    A and P are products of (K e^{b - r}) and (K e^{r - b}) around the chunk's middle r while every |b - r| is
+    within EXP_RANGE (K3's gate is bounded below: 32 tokens stay within it); a chunk of stronger decay takes the
+    C x C x D form whose exponents are all <= 0. Equal to the token loop up to float order (tests/test_engine.py)."""
+    B, n_tok, H, D = q.shape
+    q, k, v, g, beta = (x.transpose(1, 2) for x in (q, k, v, g, beta))          # [B, H, T, ...]
+    S = q.new_zeros(B, H, D, v.shape[-1])
+    out = torch.empty_like(v)
+    scale = 1 / math.sqrt(D)
+    for a in range(0, n_tok, chunk):
+        qc, kc, vc, bc = (x[:, :, a:a + chunk] for x in (q, k, v, beta))
+        b = torch.cumsum(g[:, :, a:a + chunk], dim=2)                           # [B, H, C, D]
+        A, P = _chunk_products(qc, kc, b)
+        eb = torch.exp(b)
+        rhs = bc.unsqueeze(-1) * (vc - (eb * kc) @ S)
+        M = torch.eye(b.shape[2], dtype=q.dtype, device=q.device) + bc.unsqueeze(-1) * A
+        delta = torch.linalg.solve_triangular(M, rhs, upper=False, unitriangular=True)
+        out[:, :, a:a + chunk] = ((eb * qc) @ S + P @ delta) * scale
+        last = b[:, :, -1:]                                                      # [B, H, 1, D]
+        S = torch.exp(last).transpose(-1, -2) * S + (kc * torch.exp(last - b)).transpose(-1, -2) @ delta
+    return out.transpose(1, 2)
+
+
+def _chunk_products(qc, kc, b) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A strictly lower, P lower) of delta_rule_chunked, [B, H, C, C]."""
+    r = b[:, :, b.shape[2] // 2:b.shape[2] // 2 + 1]
+    if float((b - r).abs().max()) <= EXP_RANGE:
+        k_out = (kc * torch.exp(r - b)).transpose(-1, -2)                      # the source side, e^(r - b_s)
+        return ((kc * torch.exp(b - r)) @ k_out).tril(-1), ((qc * torch.exp(b - r)) @ k_out).tril()
+    decay = torch.exp((b.unsqueeze(3) - b.unsqueeze(2)).clamp(max=0))        # [B, H, t, s, D]
+    A = (kc.unsqueeze(3) * kc.unsqueeze(2) * decay).sum(-1).tril(-1)
+    P = (qc.unsqueeze(3) * kc.unsqueeze(2) * decay).sum(-1).tril()
+    return A, P
+
+
 def kda(h: torch.Tensor, mm: Products, cfg: KimiConfig) -> torch.Tensor:
     """Kimi Delta Attention on the normed input h [B, T, n_embd]."""
     w, H, D, eps = mm.w, cfg.n_head, cfg.kda_head_dim, cfg.rms_eps
@@ -132,7 +178,7 @@ def kda(h: torch.Tensor, mm: Products, cfg: KimiConfig) -> torch.Tensor:
     else:
         g = heads(ops.softplus(u)) * A
     beta = torch.sigmoid(mm.linear(T.SSM_BETA, h))
-    o = ops.rms_norm(delta_rule(q, k, v, g, beta), eps) * w(T.SSM_NORM)
+    o = ops.rms_norm(delta_rule_chunked(q, k, v, g, beta), eps) * w(T.SSM_NORM)
     gated = o * torch.sigmoid(heads(mm.linear(T.SSM_G, h)))
     return mm.linear(T.ATTN_OUT, gated.reshape(*h.shape[:2], H * D))
 

@@ -7,12 +7,15 @@ same files hold a finished layer's states for `--resume` (`save` / `load`).
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from ..errors import DiskSpaceError, OutputError
 
 F32 = np.float32
 
@@ -41,7 +44,14 @@ class TokenStates:
         if self.spill_dir is None:
             raise MemoryError("token states exceed the RAM budget and no spill folder was given")
         path = self.spill_dir / f"state{len(self._banks) + 1}.npy"      # saved in place (`save`)
-        return np.lib.format.open_memmap(path, mode="w+", dtype=F32, shape=(self.n_tokens, self.n_embd))
+        try:
+            bank = np.lib.format.open_memmap(path, mode="w+", dtype=F32, shape=(self.n_tokens, self.n_embd))
+            with open(path, "r+b") as f:      # the blocks now: a full disk is an error here, not a SIGBUS later
+                os.posix_fallocate(f.fileno(), 0, os.fstat(f.fileno()).st_size)
+            return bank
+        except OSError as e:
+            error = DiskSpaceError if e.errno in (errno.ENOSPC, errno.EDQUOT) else OutputError
+            raise error(f"{path}: cannot spill token states to disk ({e.strerror or e})") from None
 
     # --- access by token rows (whole chunks) ---
     def slabs(self, tokens: int) -> list[slice]:

@@ -14,6 +14,7 @@ folder is removed when the file is written, and on any error but an interruption
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -32,7 +33,7 @@ from .plan import ATTN_SLAB_BYTES, default_state_ram
 from ..engine.forward import Engine, LayerReport
 from ..engine.states import TokenStates
 from ..engine.weights import open_source
-from ..errors import Interrupted, KimiError
+from ..errors import DiskSpaceError, Interrupted, KimiError, OutputError
 from ..paths import Input, Output, refuse_overlap
 from ..quant.imatrix import ImatrixError
 
@@ -269,6 +270,14 @@ class ImatrixRun:
         return 0, {}
 
     def _save(self, work: Path, il: int, entries: dict[str, Entry], states: TokenStates) -> None:
+        try:
+            self._save_layer(work, il, entries, states)
+        except OSError as e:
+            error = DiskSpaceError if e.errno in (errno.ENOSPC, errno.EDQUOT) else OutputError
+            raise error(f"{work}: cannot save layer {il}'s sums and states for --resume "
+                        f"({e.strerror or e})") from None
+
+    def _save_layer(self, work: Path, il: int, entries: dict[str, Entry], states: TokenStates) -> None:
         arrays = {}
         for n, e in entries.items():
             arrays[n + ".sums"], arrays[n + ".counts"] = e.sums, e.counts

@@ -14,15 +14,13 @@
 from __future__ import annotations
 
 import math
-import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from ..constants import T
-from ..engine.weights import GGUFSource
 
 ATTN_SLAB_BYTES = 1 << 30          # the attention temporaries of one slab of chunks (Engine.slab_tokens)
 
@@ -41,8 +39,7 @@ class ImatrixPlan:
     matmul_rate: float
     decode_rate: float
     layers: int
-    elements: float = 0.0
-    elementwise_rate: float = 0.0
+    parts: dict = field(default_factory=dict)     # seconds: layers, expert products, expert decoding, dense weights
 
     def summary(self) -> str:
         spill = self.token_state_bytes - self.states_in_ram
@@ -56,17 +53,17 @@ class ImatrixPlan:
                 f"  bytes read         {self.bytes_read:,}",
                 f"  token states       {self.token_state_bytes:,} ({self.states_in_ram:,} in RAM)",
                 f"  peak memory        {self.peak_bytes:,}",
-                f"  time               {self.seconds:,.0f} s: {self.flops:.3g} multiply-adds x2 at "
-                f"{self.matmul_rate / 1e9:.1f} GFLOP/s, {self.elements:.3g} element operations at "
-                f"{self.elementwise_rate / 1e9:.2f} G/s, experts decoded at {self.decode_rate / 1e6:.0f} MB/s "
-                f"(each rate measured here now)"]
+                f"  time               {self.seconds:,.0f} s: "
+                + ", ".join(f"{what} {sec:,.0f} s" for what, sec in self.parts.items())
+                + f" ({self.flops:.3g} multiply-adds; the experts' products at {self.matmul_rate / 1e9:.0f} GFLOP/s, "
+                f"decoded at {self.decode_rate / 1e6:.0f} MB/s: each measured here now)"]
 
     def as_json(self) -> dict:
         return {"bytes_read": self.bytes_read, "peak_bytes": self.peak_bytes,
                 "token_state_bytes": self.token_state_bytes, "seconds": self.seconds, "tokens": self.tokens,
                 "chunks": self.chunks, "ctx": self.ctx, "states_in_ram": self.states_in_ram, "flops": self.flops,
-                "matmul_flops_per_s": self.matmul_rate, "decode_bytes_per_s": self.decode_rate,
-                "elementwise_ops": self.elements, "elementwise_ops_per_s": self.elementwise_rate}
+                "expert_matmul_flops_per_s": self.matmul_rate, "decode_bytes_per_s": self.decode_rate,
+                "seconds_by_part": self.parts}
 
 
 def _h(n: float) -> str:
@@ -149,35 +146,6 @@ def multiply_adds(cfg, tokens: int, ctx: int) -> float:
                                + 3 * cfg.n_embd * cfg.n_ff_exp * cfg.n_expert_shared)
         else:
             total += tokens * 3 * cfg.n_embd * cfg.n_ff
-    return total
-
-
-def elementwise_ops(cfg, tokens: int, ctx: int) -> float:
-    """Element operations of one run that are not matrix products (each a read-modify-write of one float): the
-    AttnRes mixes over the banked blocks, the norms, ggml's rounding and the statistics of every product's input,
-    the KDA convolutions, gates and delta-rule recurrence (H x D x D a token), the attention's softmax, the
-    routing, gathers and SiTU of the experts. Counted per token and layer from the shapes; the weights per op are
-    how many passes over the data each step makes."""
-    total = 0.0
-    B = cfg.attn_res_block_size
-    for il in range(cfg.n_layer):
-        banks = il // B + 1 if B else 0
-        per = 2 * (banks + 1) * cfg.n_embd * 10 + 2 * cfg.n_embd * 5         # the two mixes, the two norms
-        if cfg.is_kda(il):
-            d = cfg.d_inner
-            per += 4 * (5 * cfg.n_embd + cfg.kda_head_dim + d)                 # products' inputs
-            per += d * (3 * (2 * cfg.conv_kernel + 3) + 25) + 8 * cfg.n_head * cfg.kda_head_dim ** 2
-        else:
-            per += 4 * (4 * cfg.n_embd + cfg.q_lora_rank + cfg.n_head * (cfg.qk_nope_head_dim + cfg.v_head_dim
-                                                                          + cfg.kv_lora_rank))
-            per += 5 * cfg.n_head * ctx + 10 * cfg.n_head * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-        if cfg.is_moe(il):
-            per += 10 * cfg.n_expert + 4 * (2 * cfg.n_embd + cfg.n_lat)
-            per += cfg.n_expert_used * (9 * cfg.n_lat + 18 * cfg.n_ff_exp)       # gather, round, SiTU, add
-            per += 18 * cfg.n_ff_exp * cfg.n_expert_shared + 5 * cfg.n_lat
-        else:
-            per += 4 * (2 * cfg.n_embd) + 18 * cfg.n_ff
-        total += tokens * per
     return total
 
 
@@ -310,18 +278,20 @@ def dry_run_plan(run) -> ImatrixPlan:
         + 16 * run.slab_tokens() * max(cfg.d_inner, cfg.n_embd) * 4
     peak = peak_rss() + dense + expert + ffn + attn + in_ram
     flops = multiply_adds(cfg, tokens, ctx)
-    elements = elementwise_ops(cfg, tokens, ctx)
-    rate, elem_rate = measure_matmul_rate(), measure_elementwise_rate()
-    decode = measure_decode_rate(source)
-    expert_bytes = sum(source.nbytes(n) for n in names if "_exps." in n)
     per_token = measure_layer_seconds(source, ctx)
-    layers = sum(per_token[(cfg.is_kda(il), cfg.is_moe(il))] for il in range(cfg.n_layer)) * tokens
     per_expert = tokens * cfg.n_expert_used // max(cfg.n_expert, 1)          # an expert's share of the tokens
     expert_rate = measure_matmul_rate(per_expert, cfg.n_lat, cfg.n_ff_exp)
-    routed = 2 * routed_multiply_adds(cfg, tokens) / expert_rate
-    routed += cfg.n_expert_used * (9 * cfg.n_lat + 18 * cfg.n_ff_exp) * tokens / elem_rate * \
-        sum(cfg.is_moe(il) for il in range(cfg.n_layer))
-    dense_rate = measure_dense_rate(source)
-    seconds = layers + routed + _over(expert_bytes, decode) + _over(bytes_read - expert_bytes, dense_rate)
-    return ImatrixPlan(tokens, run.n_chunks, ctx, bytes_read, state_bytes, in_ram, int(peak), seconds, flops, rate,
-                       decode, cfg.n_layer, elements, elem_rate)
+    elem_rate, decode, dense_rate = measure_elementwise_rate(), measure_decode_rate(source), measure_dense_rate(source)
+    moe_layers = sum(cfg.is_moe(il) for il in range(cfg.n_layer))
+    expert_bytes = sum(source.nbytes(n) for n in names if "_exps." in n)
+    parts = {
+        "layers": sum(per_token[(cfg.is_kda(il), cfg.is_moe(il))] for il in range(cfg.n_layer)) * tokens,
+        # each token's k experts: their three products, and their gathers, rounding and SiTU (about 9 passes over
+        # the latent width and 18 over the expert width)
+        "expert products": 2 * routed_multiply_adds(cfg, tokens) / expert_rate
+        + moe_layers * tokens * cfg.n_expert_used * (9 * cfg.n_lat + 18 * cfg.n_ff_exp) / elem_rate,
+        "expert decoding": _over(expert_bytes, decode),
+        "dense weights": _over(bytes_read - expert_bytes, dense_rate)}
+    seconds = sum(parts.values())
+    return ImatrixPlan(tokens, run.n_chunks, ctx, bytes_read, state_bytes, in_ram, int(peak), seconds, flops,
+                       expert_rate, decode, cfg.n_layer, parts)
