@@ -126,18 +126,21 @@ def test_states_spill_to_disk_beyond_the_budget(model, tmp_path):
     assert np.array_equal(engine.final_hidden(states, slice(None)).numpy(), h_ram)
 
 
-def test_mxfp4_decoders_are_the_format_s_and_ggml_s():
+def test_mxfp4_experts_are_the_format_s_values_from_both_sources(k3_dir, converted):
+    """An MXFP4 expert from the checkpoint (repacked, then ggml's dequantizer) and from the GGUF (the compiled
+    dequantizer) is the compressed-tensors definition decoded, and gguf-py's (= ggml's) decoding of the blocks."""
+    import gguf.quants
     from kimi_convert.convert import mxfp4
-    from kimi_convert.gguf_io import dequantize
-    rng = np.random.default_rng(6)
-    packed = rng.integers(0, 256, (16, 128), dtype=np.uint8)
-    scale = rng.integers(0, 160, (16, 8), dtype=np.uint8)          # 0: subnormal factors, exact in f32 too
-    want = mxfp4.decode_compressed(packed, scale) + np.float32(0)   # ggml's table has no -0
-    assert np.array_equal(ops.mxfp4_values(packed, scale).numpy(), want)
-    blocks = mxfp4.repack(packed, scale)
-    got = ops.mxfp4_block_values(blocks).numpy()
-    assert np.array_equal(got, np.asarray(dequantize(blocks, QT.MXFP4), np.float32).reshape(16, -1))
-    assert np.array_equal(got, want)
+    hf, gg = open_source(k3_dir), open_source(converted("k3"))
+    name = "blk.1.ffn_down_exps.weight"
+    p = hf.by_name[name]
+    ckpt = hf.plan.checkpoint
+    for e in (0, p.shape[0] - 1):
+        want = mxfp4.decode_compressed(ckpt.read(p.sources[e][0]), ckpt.read(p.sources[e][1])) + np.float32(0)
+        assert np.array_equal(hf.expert(name, e), want) and np.array_equal(gg.expert(name, e), want)
+        t = gg.gf.tensors[name]
+        raw = t.raw_bytes().reshape(t.shape[0], -1)[e].reshape(t.shape[1], -1)
+        assert np.array_equal(gg.expert(name, e), gguf.quants.dequantize(raw, QT.MXFP4).reshape(t.shape[1:]))
 
 
 @pytest.mark.parametrize("n_tok,lower_bound", [(37, -5.0), (70, -40.0)])

@@ -161,3 +161,18 @@ def test_expert_producer_repacks_in_order_and_stops_cleanly(tmp_path):
     assert np.array_equal(next(chunks), want[0]) and shard in open_files(tmp_path)
     chunks.close()
     assert open_files(tmp_path) == before
+
+
+def test_compiled_dequantizer_is_ggml_s_for_every_scale_and_code():
+    """quant.blocks' MXFP4 to_float (a compiled table lookup, used to re-quantize MXFP4 experts and by the streamed
+    engine) against gguf-py's dequantize_blocks (ggml's dequantize_row_mxfp4): every E8M0 byte, every code, bits."""
+    import gguf.quants
+    from gguf import GGMLQuantizationType as QT
+    from kimi_convert.quant.blocks import dequantize
+    e = np.arange(256, dtype=np.uint8).repeat(8)                       # 8 blocks of each scale byte
+    codes = np.random.default_rng(0).integers(0, 256, (e.size, 16), dtype=np.uint8)
+    codes[:16] = np.arange(256, dtype=np.uint8).reshape(16, 16)        # every byte of codes
+    raw = np.concatenate([e[:, None], codes], axis=1).reshape(64, -1)  # 64 rows of 32 blocks
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = gguf.quants.dequantize(raw, QT.MXFP4)
+    assert np.array_equal(dequantize(raw, QT.MXFP4).view(np.uint32), want.view(np.uint32))

@@ -89,37 +89,3 @@ def situ(g: torch.Tensor, u: torch.Tensor, beta: float, linear_beta: float) -> t
     if linear_beta > 0:
         u = torch.tanh(u * (1 / linear_beta)) * linear_beta
     return a * u
-
-
-# ------------------------------------------------------------------------------------
-# MXFP4 experts decoded on the fly (the bulk of a K3 layer's bytes), in torch: the same values as
-# convert.mxfp4.decode_compressed and ggml's dequantize_row_mxfp4 (E2M1 x 2^(e-127), exact in f32), several times
-# faster than numpy's fancy indexing (benchmarks/bench_imatrix.py --decode)
-
-E2M1 = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, 0, -.5, -1, -1.5, -2, -3, -4, -6], dtype=F32)   # no -0: ggml's has none
-# a byte's two E2M1 values (low nibble, high nibble): one gather per byte instead of one per element
-_BYTE_PAIRS = torch.stack([E2M1[torch.arange(256) & 15], E2M1[torch.arange(256) >> 4]], dim=-1)
-
-
-def _pairs(codes) -> torch.Tensor:
-    """uint8 [...] -> the values of both nibbles, [..., 2] (index_select on int32: twice as fast as indexing)."""
-    c = torch.as_tensor(codes)
-    return torch.index_select(_BYTE_PAIRS, 0, c.reshape(-1).to(torch.int32)).reshape(*c.shape, 2)
-
-
-def _scales(e) -> torch.Tensor:
-    return torch.exp2(torch.as_tensor(e).to(F32) - 127.0).unsqueeze(-1)
-
-
-def mxfp4_values(packed, scale) -> torch.Tensor:
-    """compressed-tensors MXFP4: packed uint8 [rows, n/2] (element 2i low nibble), scale uint8 [rows, n/32]."""
-    rows = packed.shape[0]
-    return (_pairs(packed).reshape(rows, -1, QK8_0) * _scales(scale)).reshape(rows, -1)
-
-
-def mxfp4_block_values(blocks) -> torch.Tensor:
-    """ggml block_mxfp4 bytes [rows, n/32*17]: the E8M0 byte, then 16 bytes of elements j (low) and j+16 (high)."""
-    b = torch.as_tensor(blocks)
-    b = b.reshape(b.shape[0], -1, 17)
-    v = _pairs(b[..., 1:]).transpose(-1, -2).reshape(b.shape[0], b.shape[1], QK8_0)   # lows, then highs
-    return (v * _scales(b[..., 0])).reshape(b.shape[0], -1)

@@ -19,15 +19,16 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QT
 
-from . import ops
 from ..constants import T, tname
+from ..convert import mxfp4
 from ..convert.converter import build_plan
 from ..convert.values import converted_pieces, expert_values, round_to
 from ..errors import CheckpointError
 from ..gguf_io import GGUFFile, dequantize, open_gguf
 from ..model import KimiConfig
-from ..tensor_map import K_B, V_B, gguf_tensors
+from ..tensor_map import CONV1D, COPY, EXPERTS, K_B, V_B, gguf_tensors
 
+RESHAPES = (COPY, CONV1D, K_B, V_B, EXPERTS)     # transforms that move values without computing new ones
 ROW_SLAB_BYTES = 16 << 20      # bytes of a 2-D tensor dequantized at a time for a row lookup
 
 
@@ -79,9 +80,7 @@ class GGUFSource:
         t = self.gf.tensors[name]
         raw = t.raw_bytes().reshape(t.shape[0], -1)[e].reshape(t.shape[1], -1)    # one expert's bytes
         self.bytes_read += raw.nbytes
-        if t.qtype == QT.MXFP4:
-            return ops.mxfp4_block_values(np.ascontiguousarray(raw)).numpy()
-        return np.asarray(dequantize(raw, t.qtype), np.float32).reshape(t.shape[1:])
+        return decode(raw, t.qtype).reshape(t.shape[1:])
 
     def rows(self, name: str, ids: np.ndarray) -> np.ndarray:
         """Rows `ids` of a 2-D tensor (the embedding lookup), read a slab at a time: the whole tensor once."""
@@ -133,7 +132,14 @@ class CheckpointSource:
         self.bytes_read += self.nbytes(name)
         flat = np.concatenate([np.asarray(v, np.float32).reshape(-1)
                                for v, _ in converted_pieces(p, self.plan.checkpoint, self.config)])
-        return round_to(flat, p.qtype).reshape(p.shape)
+        return self._stored(flat, p).reshape(p.shape)
+
+    @staticmethod
+    def _stored(values: np.ndarray, p) -> np.ndarray:
+        """The values as kimi-convert stores them: rounded to BF16 unless they already are (a BF16 source copied,
+        which is most of the model: the rounding would cost a fifth of a layer's time for nothing)."""
+        exact = all(s.dtype == "BF16" for group in p.sources for s in group) and p.rule.transform in RESHAPES
+        return values if exact else round_to(values, p.qtype)
 
     def _kv_b_half(self, p) -> np.ndarray:
         """attn_k_b [H, r, d_n] or attn_v_b [H, d_v, r] from the one kv_b_proj read (converter._split_kv_b)."""
@@ -145,23 +151,23 @@ class CheckpointSource:
         kv = self._kv_b[1]
         half = kv[:, :cfg.qk_nope_head_dim].transpose(0, 2, 1) if p.rule.transform == K_B \
             else kv[:, cfg.qk_nope_head_dim:]
-        return round_to(np.ascontiguousarray(half), p.qtype)
+        return self._stored(np.ascontiguousarray(half), p)
 
     def expert(self, name: str, e: int) -> np.ndarray:
         p = self.by_name[name]
         group = p.sources[e]
         self.bytes_read += sum(s.nbytes for s in group)
-        if len(group) == 2:                       # MXFP4 (packed codes, E8M0 scales)
+        if len(group) == 2:                       # MXFP4 (packed codes, E8M0 scales): ggml's blocks, then decoded
             ckpt = self.plan.checkpoint
-            return ops.mxfp4_values(ckpt.read(group[0]), ckpt.read(group[1])).numpy()
-        return round_to(expert_values(p, self.plan.checkpoint, e), p.qtype).reshape(p.shape[1:])
+            return decode(mxfp4.repack(ckpt.read(group[0]), ckpt.read(group[1])), QT.MXFP4)
+        return self._stored(expert_values(p, self.plan.checkpoint, e), p).reshape(p.shape[1:])
 
     def rows(self, name: str, ids: np.ndarray) -> np.ndarray:
         """Rows `ids` of a 2-D tensor, from the converter's row pieces: the whole tensor read once."""
         p = self.by_name[name]
         out = np.empty((len(ids), p.shape[-1]), np.float32)
         for piece, index in converted_pieces(p, self.plan.checkpoint, self.config):
-            piece = round_to(np.asarray(piece, np.float32), p.qtype).reshape(-1, p.shape[-1])
+            piece = self._stored(np.asarray(piece, np.float32), p).reshape(-1, p.shape[-1])
             a = index.start or 0
             hit = np.flatnonzero((ids >= a) & (ids < a + len(piece)))
             out[hit] = piece[ids[hit] - a]
@@ -205,6 +211,15 @@ class Layer:
 
     def drop(self) -> None:
         self._cache.clear()
+
+
+def decode(raw: np.ndarray, qtype: QT) -> np.ndarray:
+    """Stored rows -> float32, as ggml's to_float: the package's compiled dequantizers where it has them (MXFP4,
+    whose experts are most of K3's bytes: 5x gguf-py's numpy), gguf-py's otherwise."""
+    from ..quant.blocks import dequantize as quant_dequantize, supported_types
+    if qtype in supported_types() or qtype == QT.MXFP4:
+        return quant_dequantize(np.ascontiguousarray(raw), qtype)
+    return np.asarray(dequantize(raw, qtype), np.float32)
 
 
 def _tensor(values: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -70,7 +70,8 @@ class BlockType:
     # point found, GGML_ASSERT / "Oops ... not on grid"): we refuse it (NonFiniteError). Every other type,
     # IQ1_S, IQ1_M and IQ2_XXS included, writes ggml's bytes for it, as llama-quantize does
     refuses_nonfinite: ClassVar[bool] = False
-    _to_f32: ClassVar[Kernel | None] = None       # our dequantizer, for the types gguf-py has none of (Q1_0, Q2_0)
+    # our dequantizer: for the types gguf-py has none of (Q1_0, Q2_0), and for MXFP4, where gguf-py's numpy is slow
+    _to_f32: ClassVar[Kernel | None] = None
 
     def __init_subclass__(cls, qtype: QT, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -372,6 +373,7 @@ class MXFP4(BlockType, qtype=QT.MXFP4):
     mirrors = "quantize_row_mxfp4_ref"  # quantize_mxfp4 ignores quant_weights
     e8m0_offsets = (0,)
     _ref = _rows("lowbit", "mxfp4_rows")
+    _to_f32 = _dequantizer("mxfp4_to_f32_rows")
 
 
 class NVFP4(BlockType, qtype=QT.NVFP4):

@@ -86,6 +86,30 @@ def q1_0_to_f32_rows(q, out):
                 y[128 * ib + j] = d if (qr[p + 2 + j // 8] >> (j % 8)) & 1 else -d
 
 
+# ggml_e8m0_to_fp32_half of every E8M0 byte (2^(e-128), the subnormals for e < 2 included), and the doubled E2M1 table
+_E8M0_HALF = np.where(np.arange(256) < 2, np.uint32(0x00200000) << np.arange(256, dtype=np.uint32),
+                      (np.arange(256, dtype=np.uint32) - 1) << np.uint32(23)).astype(np.uint32).view(np.float32)
+_MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.float32)
+
+
+@njit(**JIT)
+def mxfp4_to_f32_rows(q, out):
+    """dequantize_row_mxfp4: per 17-byte block, kvalues[code] * e8m0_half(e); byte j holds element j (low nibble)
+    and j + 16 (high). A table lookup a value: 10-20x gguf-py's numpy (the MXFP4 experts are re-quantized from
+    it, and kimi-imatrix multiplies by it)."""
+    n_rows, n = out.shape
+    for r in range(n_rows):
+        qr = q[r]
+        y = out[r]
+        for ib in range(n // 32):
+            p = 17 * ib
+            d = _E8M0_HALF[qr[p]]
+            for j in range(16):
+                b = qr[p + 1 + j]
+                y[32 * ib + j] = _MXFP4_VALUES[b & 15] * d
+                y[32 * ib + 16 + j] = _MXFP4_VALUES[b >> 4] * d
+
+
 @njit(**JIT)
 def q2_0_to_f32_rows(q, out):
     """dequantize_row_q2_0: (code - 1) * d."""
