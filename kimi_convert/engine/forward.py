@@ -260,17 +260,28 @@ def route(x: torch.Tensor, mm: Products, cfg: KimiConfig) -> tuple[torch.Tensor,
 
 def routed_experts(z: torch.Tensor, sel: torch.Tensor, wts: torch.Tensor, mm: Products,
                    cfg: KimiConfig) -> torch.Tensor:
-    """sum over slots of w * down_e SiTU(gate_e z, up_e z); each expert read once, for all its tokens."""
+    """sum over slots of w * down_e SiTU(gate_e z, up_e z); each expert read once, for all its tokens (the
+    (token, slot) pairs sorted by expert once, then taken a run at a time)."""
     y = torch.zeros(z.shape[0], mm.w.source.shape(mm.w.name(T.FFN_DOWN_EXPS))[1], device=z.device)
-    for e in torch.unique(sel).tolist():
-        tokens, slots = torch.nonzero(sel == e, as_tuple=True)
-        xe = z[tokens]
-        gate = mm.expert(T.FFN_GATE_EXPS, e, mm.w.expert(T.FFN_GATE_EXPS, e), xe)
-        up = mm.expert(T.FFN_UP_EXPS, e, mm.w.expert(T.FFN_UP_EXPS, e), xe)
-        act = ops.situ(gate, up, cfg.situ_beta, cfg.situ_linear_beta)
-        out = mm.expert(T.FFN_DOWN_EXPS, e, mm.w.expert(T.FFN_DOWN_EXPS, e), act)
-        y.index_add_(0, tokens, out * wts[tokens, slots].unsqueeze(-1))
+    k = sel.shape[1]
+    order = torch.argsort(sel.reshape(-1), stable=True)
+    counts = torch.bincount(sel.reshape(-1), minlength=cfg.n_expert).tolist()
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            pairs = order[start:start + n]
+            tokens, slots = pairs // k, pairs % k
+            y.index_add_(0, tokens, expert_ffn(mm, e, z[tokens], cfg) * wts[tokens, slots].unsqueeze(-1))
+        start += n
     return y
+
+
+def expert_ffn(mm: Products, e: int, x: torch.Tensor, cfg: KimiConfig) -> torch.Tensor:
+    """Routed expert e on its tokens' inputs x [n, n_lat]: down_e SiTU(gate_e x, up_e x)."""
+    gate = mm.expert(T.FFN_GATE_EXPS, e, mm.w.expert(T.FFN_GATE_EXPS, e), x)
+    up = mm.expert(T.FFN_UP_EXPS, e, mm.w.expert(T.FFN_UP_EXPS, e), x)
+    act = ops.situ(gate, up, cfg.situ_beta, cfg.situ_linear_beta)
+    return mm.expert(T.FFN_DOWN_EXPS, e, mm.w.expert(T.FFN_DOWN_EXPS, e), act)
 
 
 # ------------------------------------------------------------------------------------

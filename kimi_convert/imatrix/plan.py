@@ -8,8 +8,8 @@
   float32, one routed expert's three matrices, the FFN's whole-run activations, one attention slab's temporaries,
   and the states held in RAM;
 - time: one chunk timed through one layer of each kind at the model's widths (zero weights, nothing read), scaled
-  to the run's tokens and layers; the routed experts' multiply-adds at the measured matmul rate and their
-  SiTU and gathers at the measured element rate; their decoding at the measured rate (all timed here, now).
+  to the run's tokens and layers; one routed expert timed on its share of the tokens, times the experts; their
+  decoding and the dense weights' widening at rates measured on the model's own bytes (all here, now).
 """
 from __future__ import annotations
 
@@ -149,16 +149,6 @@ def multiply_adds(cfg, tokens: int, ctx: int) -> float:
     return total
 
 
-def measure_elementwise_rate(seconds: float = 0.2) -> float:
-    """Element operations a second of torch here (a multiply-add chain over 16 M floats, past the caches)."""
-    x, y = torch.rand(1 << 24), torch.rand(1 << 24)
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds or n == 0:
-        x = x * y + y
-        n += 2
-    return n * x.numel() / (time.perf_counter() - t0)
-
-
 def measure_matmul_rate(m: int = 1024, k: int = 2048, n: int = 2048, seconds: float = 0.3) -> float:
     """FLOP/s of torch's float32 matmul here, at a shape like the engine's: m tokens by a [n, k] matrix (a slab
     through a layer matrix; a routed expert's share of the tokens through one expert)."""
@@ -251,9 +241,23 @@ def measure_layer_seconds(source, ctx: int) -> dict[tuple[bool, bool], float]:
     return out
 
 
-def routed_multiply_adds(cfg, tokens: int) -> float:
-    moe = sum(cfg.is_moe(il) for il in range(cfg.n_layer))
-    return float(tokens) * moe * cfg.n_expert_used * 3 * cfg.n_lat * cfg.n_ff_exp
+def measure_expert_seconds(source, rows: int, samples: int = 6) -> float:
+    """Seconds one routed expert takes on `rows` tokens (its share of a run's): its three products with ggml's
+    rounding, SiTU and the statistics, at the model's widths on zero weights (the decoding is timed apart)."""
+    from ..engine.forward import Products, expert_ffn
+    from ..engine.weights import Layer
+    from .collect import ImatrixStats
+    cfg = source.config
+    moe = [il for il in range(cfg.n_layer) if cfg.is_moe(il)]
+    if not moe:
+        return 0.0
+    mm = Products(Layer(ShapeSource(source), moe[0], torch.device("cpu")), ImatrixStats(cfg.n_expert))
+    x = torch.randn(max(rows, 1), cfg.n_lat)
+    expert_ffn(mm, 0, x, cfg)
+    t0 = time.perf_counter()
+    for e in range(samples):
+        expert_ffn(mm, e, x, cfg)
+    return (time.perf_counter() - t0) / samples
 
 
 def _over(nbytes: float, rate: float) -> float:
@@ -281,15 +285,12 @@ def dry_run_plan(run) -> ImatrixPlan:
     per_token = measure_layer_seconds(source, ctx)
     per_expert = tokens * cfg.n_expert_used // max(cfg.n_expert, 1)          # an expert's share of the tokens
     expert_rate = measure_matmul_rate(per_expert, cfg.n_lat, cfg.n_ff_exp)
-    elem_rate, decode, dense_rate = measure_elementwise_rate(), measure_decode_rate(source), measure_dense_rate(source)
+    decode, dense_rate = measure_decode_rate(source), measure_dense_rate(source)
     moe_layers = sum(cfg.is_moe(il) for il in range(cfg.n_layer))
     expert_bytes = sum(source.nbytes(n) for n in names if "_exps." in n)
     parts = {
         "layers": sum(per_token[(cfg.is_kda(il), cfg.is_moe(il))] for il in range(cfg.n_layer)) * tokens,
-        # each token's k experts: their three products, and their gathers, rounding and SiTU (about 9 passes over
-        # the latent width and 18 over the expert width)
-        "expert products": 2 * routed_multiply_adds(cfg, tokens) / expert_rate
-        + moe_layers * tokens * cfg.n_expert_used * (9 * cfg.n_lat + 18 * cfg.n_ff_exp) / elem_rate,
+        "expert products": moe_layers * cfg.n_expert * measure_expert_seconds(source, per_expert),
         "expert decoding": _over(expert_bytes, decode),
         "dense weights": _over(bytes_read - expert_bytes, dense_rate)}
     seconds = sum(parts.values())
