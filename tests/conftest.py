@@ -97,3 +97,15 @@ def converted(tmp_path_factory, k3_dir, k31_dir):
         return cache[arch, outtype]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def calib_text(tmp_path_factory) -> Path:
+    """A calibration text every machine has: the source of the standard library's argparse (about 100 KB, some
+    55k tokens of the fixtures' vocabulary), for kimi-imatrix and llama-imatrix alike."""
+    import argparse
+    import inspect
+    path = tmp_path_factory.mktemp("calib") / "calib.txt"
+    path.write_text(inspect.getsource(argparse))
+    return path
+

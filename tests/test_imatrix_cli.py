@@ -34,12 +34,8 @@ def kimi_imatrix(*args, prelude: str = "", check: bool = True) -> subprocess.Com
 
 
 @pytest.fixture(scope="module")
-def text(tmp_path_factory) -> Path:
-    import inspect
-    import argparse
-    path = tmp_path_factory.mktemp("text") / "calib.txt"
-    path.write_text(inspect.getsource(argparse))
-    return path
+def text(calib_text) -> Path:
+    return calib_text
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,6 @@ kimi-convert with the matrix (a preset, llama-quantize's IQ2_XXS mixture, a size
 with it. No intermediate GGUF is written anywhere: the matrix comes from the checkpoint itself."""
 from __future__ import annotations
 
-import inspect
-import argparse
 import os
 import subprocess
 import sys
@@ -33,11 +31,10 @@ def command(module: str, *args) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def made(tmp_path_factory):
+def made(tmp_path_factory, calib_text):
     d = tmp_path_factory.mktemp("e2e")
     hf = make_checkpoint(d / "Kimi-K3-wide", arch="k3", **WIDE)
-    text = d / "calib.txt"
-    text.write_text(inspect.getsource(argparse))
+    text = calib_text
     work = d / "work"
     work.mkdir()
     command("imatrix", hf, "-f", text, "-o", work / "im.gguf", "--ctx", 128, "--chunks", 16)

@@ -16,8 +16,6 @@ What equality is possible, measured (docs/verification.md, "kimi-imatrix against
 """
 from __future__ import annotations
 
-import inspect
-import argparse
 import subprocess
 import sys
 from pathlib import Path
@@ -44,10 +42,8 @@ def kimi_imatrix(model: Path, text: Path, out: Path, *extra) -> Path:
 
 
 @pytest.fixture(scope="module")
-def text(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("text") / "calib.txt"
-    path.write_text(inspect.getsource(argparse))
-    return path
+def text(calib_text) -> Path:
+    return calib_text
 
 
 @pytest.fixture(scope="module")
