@@ -81,6 +81,16 @@ def check_structure(a, b) -> None:
             assert np.array_equal(ca, cb), n
 
 
+def flipped_choices(a, b, layers) -> int:
+    """Routing choices that differ in these layers: each moves one (token, slot) pair from one expert to another."""
+    total = 0
+    for il in layers:
+        n = f"blk.{il}.ffn_gate_exps.weight"
+        if n in b.names:
+            total += int(np.abs(a.raw(n)[1] - b.raw(n)[1]).sum()) // 2
+    return total
+
+
 def sums_where_counts_agree(a, b, names):
     rel, pairs, same_pairs = [], 0, 0
     for n in names:
@@ -104,8 +114,9 @@ def test_f32_with_llama_imatrix_s_defaults(models, text, tmp_path):
     a, b = pair(models, "f32", text, tmp_path)
     check_structure(a, b)
     before_mla = [n for n in b.names if int(n.split(".")[1]) < FIRST_MLA]
-    rel, same = sums_where_counts_agree(a, b, before_mla)
-    assert same == 1.0 and rel.max() <= 1e-4, rel.max()
+    rel, _ = sums_where_counts_agree(a, b, before_mla)
+    assert flipped_choices(a, b, range(FIRST_MLA)) <= 1                  # measured 0
+    assert np.mean(rel <= 1e-4) >= 0.99 and np.median(rel) <= 1e-5, (np.mean(rel <= 1e-4), np.median(rel))
     rel, _ = sums_where_counts_agree(a, b, b.names)
     assert np.mean(rel <= 2e-2) >= 0.999
 
@@ -117,8 +128,9 @@ def test_rounded_activations_agree_until_the_rounding_feeds_back(models, text, t
     layer0 = [n for n in b.names if n.startswith("blk.0.")]
     rel, _ = sums_where_counts_agree(a, b, layer0)
     assert rel.max() <= 1e-4, rel.max()
-    first_moe = [n for n in b.names if n.startswith("blk.1.") and "_exps" in n]
-    assert all(np.array_equal(a.raw(n)[1], b.raw(n)[1]) for n in first_moe)     # the same routing
+    # the first MoE layer routes as llama.cpp does, but for a near tie that float order may tip (measured: none;
+    # tipped by a 1e-6 perturbation of the embeddings, 4-6 of its 8,192 choices)
+    assert flipped_choices(a, b, [1]) <= 2
     rel, _ = sums_where_counts_agree(a, b, b.names)
     assert np.mean(rel <= 2e-2) >= 0.9 and np.median(rel) <= 1e-3         # measured 0.95-0.98, 2e-4-4e-4
 
