@@ -18,6 +18,7 @@ importance matrix of kimi-imatrix) and multiplies with llama.cpp's activation ro
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -289,10 +290,9 @@ def expert_ffn(mm: Products, e: int, x: torch.Tensor, cfg: KimiConfig) -> torch.
 
 @dataclass
 class LayerReport:
-    """What one layer did: its bytes read, and per routed expert the tokens it saw."""
+    """What one layer did: the bytes it read and the seconds it took."""
     layer: int
     bytes_read: int
-    expert_tokens: np.ndarray | None = None
     seconds: float = 0.0
 
 
@@ -317,7 +317,7 @@ class Engine:
 
     def layer(self, il: int, states: TokenStates) -> LayerReport:
         cfg, B = self.cfg, self.cfg.attn_res_block_size
-        before = self.source.bytes_read
+        before, started = self.source.bytes_read, time.perf_counter()
         w = Layer(self.source, il, self.device)
         mm = Products(w, self.stats, self.rounding)
         reset = B > 0 and il % B == 0
@@ -334,17 +334,17 @@ class Engine:
             f = attn_res_mix(stack, P, w(T.FFN_RES_SCORE), cfg.rms_eps) if B else P
             ffn_in[rows] = ops.rms_norm(f, cfg.rms_eps) * w(T.FFN_NORM)
             states.set_stream(P, rows)
-        counts = self.ffn(il, ffn_in, states, mm)
+        self.ffn(il, ffn_in, states, mm)
         w.drop()
-        return LayerReport(il, self.source.bytes_read - before, counts)
+        return LayerReport(il, self.source.bytes_read - before, time.perf_counter() - started)
 
-    def ffn(self, il: int, x: torch.Tensor, states: TokenStates, mm: Products) -> np.ndarray | None:
-        """P += FFN(x) over all tokens; returns the tokens each routed expert saw (None for a dense layer)."""
+    def ffn(self, il: int, x: torch.Tensor, states: TokenStates, mm: Products) -> None:
+        """P += FFN(x) over all tokens."""
         cfg = self.cfg
         if not cfg.is_moe(il):
             for rows in states.slabs(self.slab_tokens):
                 states.add_stream(dense_ffn(x[rows], mm, cfg), rows)
-            return None
+            return
         sel, wts = route(x, mm, cfg)
         z = mm.linear(T.FFN_ROUTED_DOWN, x) if mm.w.has(T.FFN_ROUTED_DOWN) else x
         y = routed_experts(z, sel, wts, mm, cfg) if self.routed else torch.zeros_like(z)
@@ -358,7 +358,6 @@ class Engine:
                           cfg.situ_beta, cfg.situ_linear_beta)
             y = y + mm.linear(T.FFN_DOWN_SHEXP, sh)
         states.add_stream(y)
-        return torch.bincount(sel.reshape(-1), minlength=cfg.n_expert).cpu().numpy()
 
     def final_hidden(self, states: TokenStates, rows: slice) -> torch.Tensor:
         """The final normed hidden state of `rows` (what `output` multiplies)."""

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QT
 
-from ..constants import T, tname
+from ..constants import tname
 from ..convert import mxfp4
 from ..convert.converter import build_plan
 from ..convert.values import converted_pieces, expert_values, round_to
@@ -227,12 +227,3 @@ def _tensor(values: np.ndarray, device: torch.device) -> torch.Tensor:
     if not values.flags.writeable:
         values = values.copy()
     return torch.from_numpy(values).to(device)
-
-
-def layer_bytes(source: WeightSource, il: int | None) -> int:
-    """Bytes of layer il's tensors in the source (None: the globals the engine reads)."""
-    prefix = f"blk.{il}." if il is not None else None
-    if prefix is None:
-        return sum(source.nbytes(n) for n in (T.TOKEN_EMBD, T.OUTPUT_NORM, T.OUTPUT_RES_SCORE)
-                   if n in source.names())
-    return sum(source.nbytes(n) for n in source.names() if n.startswith(prefix))

@@ -195,30 +195,27 @@ class ImatrixRun:
         engine = Engine(self.source, torch.device(opts.device), stats, self.slab_tokens())
         start, entries = self._prepare(work, states)
         coverage = [c for c in (self._coverage(il, entries) for il in range(start)) if c]
-        finished = start
+        finished = [start]
+
+        def layer_done(report: LayerReport) -> None:
+            il = report.layer
+            layer_entries = self._checked(stats.take_layer(il))
+            entries.update(layer_entries)
+            self._save(work, il, layer_entries, states)
+            finished[0] = il + 1
+            cov = self._coverage(il, layer_entries)
+            if cov:
+                coverage.append(cov)
+            on_layer(report, (time.time() - started) / (il + 1 - start) * (cfg.n_layer - il - 1))
         try:
-            if start == 0:
-                engine.embed(self.ids, states)
-            for il in range(start, cfg.n_layer):
-                t0 = time.time()
-                report = engine.layer(il, states)
-                report.seconds = time.time() - t0
-                layer_entries = self._checked(stats.take_layer(il))
-                entries |= layer_entries
-                self._save(work, il, layer_entries, states)
-                finished = il + 1
-                cov = self._coverage(il, layer_entries)
-                if cov:
-                    coverage.append(cov)
-                eta = (time.time() - started) / (il + 1 - start) * (cfg.n_layer - il - 1)
-                on_layer(report, eta)
+            engine.run(self.ids, states, layer_done, start)
             if opts.process_output:
                 for rows in states.slabs(4096):
                     stats.dense("output.weight", engine.final_hidden(states, rows))
                 entries |= self._checked(stats.take())
             self._write(entries)
         except Interrupted:
-            if finished == start:
+            if finished[0] == start:
                 shutil.rmtree(work, ignore_errors=True)
             raise
         except BaseException:
