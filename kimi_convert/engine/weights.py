@@ -38,7 +38,7 @@ class WeightSource(Protocol):
     path: Path
     bytes_read: int
 
-    def names(self) -> set[str]: ...
+    def names(self) -> frozenset[str]: ...
     def qtype(self, name: str) -> QT: ...
     def shape(self, name: str) -> tuple[int, ...]: ...
     def nbytes(self, name: str) -> int: ...
@@ -58,9 +58,10 @@ class GGUFSource:
         self.gf: GGUFFile = gf.with_shapes({n: s for n, (_, s) in gguf_tensors(self.config).items()})
         self.fields = gf.fields
         self.bytes_read = 0
+        self._names = frozenset(self.gf.tensors)
 
-    def names(self) -> set[str]:
-        return set(self.gf.tensors)
+    def names(self) -> frozenset[str]:
+        return self._names
 
     def qtype(self, name: str) -> QT:
         return self.gf.tensors[name].qtype
@@ -106,11 +107,12 @@ class CheckpointSource:
         self.plan = build_plan(self.path)
         self.config = self.plan.config
         self.by_name = {p.name: p for p in self.plan.tensors}
+        self._names = frozenset(self.by_name)     # asked for every tensor a layer touches: made once
         self.bytes_read = 0
         self._kv_b: tuple[str, np.ndarray] | None = None    # kv_b makes attn_k_b and attn_v_b: read it once
 
-    def names(self) -> set[str]:
-        return set(self.by_name)
+    def names(self) -> frozenset[str]:
+        return self._names
 
     def qtype(self, name: str) -> QT:
         return self.by_name[name].qtype
