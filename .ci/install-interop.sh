@@ -203,18 +203,20 @@ if [ "$do_tools" = 1 ]; then
   TOOLS_CMAKE_ARGS="-DCMAKE_BUILD_TYPE=Release -DCMAKE_POSITION_INDEPENDENT_CODE=ON -DBUILD_SHARED_LIBS=OFF \
 -DLLAMA_BUILD_COMMON=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF \
 -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF"
-  tools=(llama-imatrix llama-quantize)
+  tools=(llama-imatrix llama-quantize llama-perplexity)
   tools_bin="$INTEROP_DIR/bin"
   # the compilers are part of the key: ggml's C kernels compiled by another gcc may round otherwise
   compilers="$(cc --version 2>/dev/null | head -1 || echo 'no cc'); $(c++ --version 2>/dev/null | head -1 || echo 'no c++')"
-  tools_head="$(printf '%s\n%s %s\n%s' "$LLAMA_CPP_PYTHON_VERSION" "$GGML_CMAKE_ARGS" "$TOOLS_CMAKE_ARGS" "$compilers")"
+  tools_head="$(printf '%s\n%s %s\n%s\n%s' "$LLAMA_CPP_PYTHON_VERSION" "$GGML_CMAKE_ARGS" "$TOOLS_CMAKE_ARGS" "$compilers" "${tools[*]}")"
   TOOLS_CACHE="$BUILD_CACHE/llama-tools-$LLAMA_CPP_PYTHON_VERSION-x86-64-v3-$(sha256sum <<<"$tools_head" | cut -c1-12)"
   tools_stamp() {  # what llama-tools.stamp says of the binaries in $1: version (line 1, read by llama_tools.py),
     # flags, compiler, then their sha256 (a binary changed or half-copied since no longer matches)
     printf '%s\n' "$tools_head"
     (cd "$1" && sha256sum "${tools[@]}")
   }
-  stamp_ok() { [ -f "$1/llama-tools.stamp" ] && [ "$(cat "$1/llama-tools.stamp")" = "$(tools_stamp "$1" 2>/dev/null)" ]; }
+  # every tool present (sha256sum prints nothing for a missing one) and each hash as stamped
+  stamp_ok() { local t; for t in "${tools[@]}"; do [ -x "$1/$t" ] || return 1; done
+               [ -f "$1/llama-tools.stamp" ] && [ "$(cat "$1/llama-tools.stamp")" = "$(tools_stamp "$1" 2>/dev/null)" ]; }
   if stamp_ok "$tools_bin"; then
     echo "install-interop: ${tools[*]} ($LLAMA_CPP_PYTHON_VERSION sdist, pinned flags) already in $tools_bin"
   else

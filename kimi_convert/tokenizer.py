@@ -253,6 +253,7 @@ class Tokenizer:
         if token_types is not None and len(token_types) < len(tokens):
             raise TokenizerError(f"{len(token_types)} token types for {len(tokens)} tokens")
         _category_fixes()                      # a Python too new fails here, not on the first non-ASCII text
+        self.tokens = tuple(tokens)               # the vocabulary, to tell two models' apart
         self.n_vocab = len(tokens)
         self.bos_id = _special_id(bos_id, self.n_vocab)
         self.eos_id = _special_id(eos_id, self.n_vocab)

@@ -19,7 +19,7 @@ from pathlib import Path
 from ._common import INSTALL_HINT, InteropError, InteropUnavailable, interop_dir
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
-TOOLS = ("llama-imatrix", "llama-quantize")
+TOOLS = ("llama-imatrix", "llama-quantize", "llama-perplexity")
 STAMP = "llama-tools.stamp"
 
 
@@ -165,3 +165,62 @@ def llama_quantize(
     if not Path(out).is_file():
         raise InteropError(f"llama-quantize exited 0 but wrote no {out}:\n{_tail(res.stderr)}")
     return res
+
+
+def llama_perplexity(
+    model: Path,
+    base_file: Path,
+    *,
+    text_file: Path | None = None,
+    ctx: int,
+    chunks: int | None = None,
+    threads: int = 1,
+    batch: int | None = None,
+    extra: Sequence[str] = (),
+    timeout: float = 900,
+) -> subprocess.CompletedProcess:
+    """Run ``llama-perplexity`` on the CPU, in one of its two KL-divergence modes:
+
+    * ``text_file`` given: ``-f TEXT --kl-divergence-base BASE_FILE`` writes the base file (MODEL is the base);
+    * ``text_file`` None: ``--kl-divergence --kl-divergence-base BASE_FILE`` scores MODEL against it (the tokens
+      come from the file) and prints the statistics on ``.stdout``.
+
+    ``batch`` defaults to ``ctx`` (one chunk a decode; llama-perplexity's ``-b 2048`` would run ``2048 // ctx``
+    chunks side by side). ``--no-repack`` always: on a CPU with AVX-512 the Oct-2026 build's CPU weight repacking
+    aborts on a quantized K3 file (``GGML_ASSERT(*cur_backend_id != -1)``), and repacking does not change values.
+    ``extra``: more llama-perplexity options (``-fa off``, ...)."""
+    cmd = [str(tool_path("llama-perplexity")), "-m", str(model), "-c", str(int(ctx)),
+           "-b", str(int(batch if batch is not None else ctx)), "-t", str(int(threads)), "--no-repack",
+           "--kl-divergence-base", str(base_file)]
+    if text_file is not None:
+        cmd += ["-f", str(text_file)]
+        Path(base_file).unlink(missing_ok=True)
+    else:
+        cmd.append("--kl-divergence")
+    if chunks is not None:
+        cmd += ["--chunks", str(int(chunks))]
+    cmd += [str(a) for a in extra]
+    res = _run(cmd, "llama-perplexity", timeout)
+    if text_file is not None and not Path(base_file).is_file():
+        raise InteropError(f"llama-perplexity exited 0 but wrote no {base_file}:\n{_tail(res.stderr)}")
+    if text_file is None and "Mean    KLD" not in res.stdout + res.stderr:
+        raise InteropError(f"llama-perplexity printed no KL divergence statistics:\n{_tail(res.stderr)}")
+    return res
+
+
+def parse_kld_report(text: str) -> dict[str, float]:
+    """The statistics llama-perplexity --kl-divergence prints (and kimi-verify kld prints under the same labels):
+    label -> value, and label + " ±" -> its uncertainty where one is printed. Percent values stay in percent."""
+    import re
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(r"^(Mean PPL\(Q\)/PPL\(base\)|Mean PPL\(Q\)-PPL\(base\)|Mean ln\(PPL\(Q\)/PPL\(base\)\)|"
+                     r"Mean PPL\(Q\)|Mean PPL\(base\)|Cor\(ln\(PPL\(Q\)\), ln\(PPL\(base\)\)\)|"
+                     r"[\w .%]+?KLD|[\w .%]+?Δp|RMS Δp|Same top p)\s*:\s*(-?[\d.]+)\s*%?(?:\s*±\s*(-?[\d.]+))?",
+                     line.strip())
+        if m:
+            label = " ".join(m.group(1).split())
+            out[label] = float(m.group(2))
+            if m.group(3) is not None:
+                out[label + " ±"] = float(m.group(3))
+    return out

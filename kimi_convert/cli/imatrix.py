@@ -116,12 +116,7 @@ def _options(model, text, out, ctx, chunks, device, threads, output_format, in_f
         raise KimiError("give -o OUT (or --dry-run)")
     if output_format not in ("gguf", "dat"):
         raise KimiError(f"--output-format {output_format!r}: must be gguf or dat")
-    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
-        raise KimiError(f"--device {device!r}: must be cpu or cuda")
-    if device != "cpu":
-        import torch
-        if not torch.cuda.is_available():
-            raise KimiError(f"--device {device}: torch sees no CUDA device here")
+    check_device(device)
     check_count(ctx, "--ctx", 16, 1 << 20, "Kimi-K3's context")
     if chunks is not None:
         check_count(chunks, "--chunks", 1)
@@ -132,6 +127,17 @@ def _options(model, text, out, ctx, chunks, device, threads, output_format, in_f
     ram = parse_size(state_ram, "--state-ram") if state_ram is not None else None
     return ImatrixOptions(Path(model), Path(text), Path(out) if out else None, ctx, chunks, device, output_format,
                           tuple(Path(p) for p in in_file), process_output, resume, force, ram)
+
+
+def check_device(device: str) -> str:
+    """cpu, cuda or cuda:N, and a CUDA device torch can see."""
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise KimiError(f"--device {device!r}: must be cpu or cuda")
+    if device != "cpu":
+        import torch
+        if not torch.cuda.is_available():
+            raise KimiError(f"--device {device}: torch sees no CUDA device here")
+    return device
 
 
 def _progress(report, eta: float, run) -> None:

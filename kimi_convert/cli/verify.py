@@ -5,6 +5,7 @@
   kimi-verify check HF_DIR FILE.gguf [--json report.json] [--imatrix F] [--max-kl X]
   kimi-verify check FILE.gguf                          (no checkpoint: the file on its own)
   kimi-verify check FILE.gguf --manifest M             (every byte against the writer's SHA-256 manifest)
+  kimi-verify kld BASE QUANT.gguf -f text.txt          (llama-perplexity's KL divergence, layer by layer)
 
 `check` exits 0 only if every part passes; docs/verification.md explains each part and
 its tolerances.
@@ -25,6 +26,7 @@ from .common import (check_count, check_input_file, console as err, debug_option
                      interrupts_raise, output as out, reading, run_app, typer_app)
 from ..errors import Interrupted, KimiError
 from ..paths import Input, Report, refuse_overlap, report_output
+from .kld import kld_cmd
 
 
 app = typer_app(help=__doc__, no_args_is_help=True)     # out: the report (stdout); err: progress, errors
@@ -224,6 +226,9 @@ def _num(v) -> str:
     if isinstance(v, float):
         return f"{v:.3g}"
     return str(v)
+
+
+app.command("kld")(kld_cmd)          # kimi_convert/cli/kld.py
 
 
 def main() -> None:

@@ -359,12 +359,20 @@ class Engine:
             y = y + mm.linear(T.FFN_DOWN_SHEXP, sh)
         states.add_stream(y)
 
-    def final_hidden(self, states: TokenStates, rows: slice) -> torch.Tensor:
+    def head(self) -> Layer:
+        """The global tensors (final AttnRes, norm, `output`), read once however many slabs use them."""
+        return Layer(self.source, None, self.device)
+
+    def final_hidden(self, states: TokenStates, rows: slice, g: Layer | None = None) -> torch.Tensor:
         """The final normed hidden state of `rows` (what `output` multiplies)."""
-        g = Layer(self.source, None, self.device)
+        g = g if g is not None else self.head()
         P, stack = states.stream(rows, self.device), states.banks(rows, self.device)
         y = attn_res_mix(stack, P, g(T.OUTPUT_RES_SCORE), self.cfg.rms_eps) if self.cfg.attn_res_block_size else P
         return ops.rms_norm(y, self.cfg.rms_eps) * g(T.OUTPUT_NORM)
+
+    def logits(self, h: torch.Tensor, head: Layer) -> torch.Tensor:
+        """The logits of final hidden states h [n, n_embd]: llama.cpp's last product (the embedding when tied)."""
+        return Products(head, self.stats, self.rounding).linear(T.OUTPUT if head.has(T.OUTPUT) else T.TOKEN_EMBD, h)
 
     def run(self, ids: np.ndarray, states: TokenStates, on_layer: Callable[[LayerReport], None] | None = None,
             start: int = 0) -> None:

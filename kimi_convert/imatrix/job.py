@@ -32,18 +32,18 @@ from .files import DAT, GGUF, add_in_files, write_dat, write_gguf
 from .plan import ATTN_SLAB_BYTES, default_state_ram
 from ..engine.forward import Engine, LayerReport
 from ..engine.states import TokenStates
+from ..engine.tokens import TextInputError, chunk_tokens, model_tokenizer, text_tokens
 from ..engine.weights import open_source
-from ..errors import DiskSpaceError, Interrupted, KimiError, OutputError
+from ..errors import DiskSpaceError, Interrupted, OutputError
 from ..paths import Input, Output, refuse_overlap
 from ..quant.imatrix import ImatrixError
 
 MIN_CTX = 16                   # imatrix.cpp ignores products of fewer rows (collect.MIN_ROWS)
-MAX_TEXT_BYTES = 1 << 32       # a calibration text is read whole
 MAX_SLAB_TOKENS = 8192         # tokens of one attention slab: the dense products' batch
 
 
-class ImatrixInputError(KimiError):
-    """The text, the model or an option cannot give an imatrix; the message names the file."""
+# the errors of a run's inputs are the engine's (text, tokens); the name stays for callers of kimi-imatrix
+ImatrixInputError = TextInputError
 
 
 @dataclass(frozen=True)
@@ -86,30 +86,6 @@ class ImatrixResult:
     entries: int = 0
 
 
-def read_text(path: Path) -> bytes:
-    try:
-        size = path.stat().st_size
-        if not path.is_file():
-            raise ImatrixInputError(f"{path}: not a regular file")
-        if size > MAX_TEXT_BYTES:
-            raise ImatrixInputError(f"{path}: {size:,} bytes, more than a calibration text of 4 GiB")
-        return path.read_bytes()
-    except OSError as e:
-        raise ImatrixInputError(f"{path}: cannot read the text ({e.strerror or e})") from None
-
-
-def chunk_tokens(ids: np.ndarray, ctx: int, chunks: int | None, bos: int | None, text: Path) -> np.ndarray:
-    """[n_chunks, ctx] as llama-imatrix cuts the tokens: it needs 2 x ctx of them."""
-    if len(ids) < 2 * ctx:
-        raise ImatrixInputError(f"{text}: {len(ids)} tokens; llama-imatrix needs at least {2 * ctx} for a context "
-                                f"of {ctx} (give more text or a smaller --ctx)")
-    n = len(ids) // ctx if chunks is None else min(chunks, len(ids) // ctx)
-    out = np.array(ids[:n * ctx], np.int64).reshape(n, ctx)
-    if bos is not None:
-        out[:, 0] = bos
-    return out
-
-
 def identity(opts: ImatrixOptions, ids: np.ndarray) -> dict:
     """What makes two runs the same run (for --resume)."""
     st = Path(opts.model).stat()
@@ -137,19 +113,9 @@ class ImatrixRun:
                                     f"tokens; give at least {MIN_CTX}")
         self.ids = chunk_tokens(self._tokenize(), opts.ctx, opts.chunks, self._bos(), opts.text)
 
-    def _tokenizer(self):
-        from ..tokenizer import Tokenizer
-        path = Path(self.opts.model)
-        return Tokenizer.from_checkpoint(path) if path.is_dir() else Tokenizer.from_gguf(path)
-
     def _tokenize(self) -> np.ndarray:
-        text = read_text(self.opts.text)
-        if text.endswith(b"\n"):          # llama.cpp's -f drops one trailing newline (common/arg.cpp)
-            text = text[:-1]
-        if not text.strip():
-            raise ImatrixInputError(f"{self.opts.text}: the text is empty")
-        self.tokenizer = self._tokenizer()
-        return self.tokenizer.encode(text)
+        self.tokenizer = model_tokenizer(self.opts.model)
+        return text_tokens(self.opts.text, self.tokenizer)
 
     def _bos(self) -> int | None:
         return self.tokenizer.bos_id if self.tokenizer.add_bos else None

@@ -1,0 +1,1 @@
+"""kimi-verify kld: llama-perplexity's KL divergence on the streamed engine."""
