@@ -53,6 +53,14 @@ class TokenStates:
             error = DiskSpaceError if e.errno in (errno.ENOSPC, errno.EDQUOT) else OutputError
             raise error(f"{path}: cannot spill token states to disk ({e.strerror or e})") from None
 
+    def snapshot(self) -> tuple[np.ndarray, list[np.ndarray]]:
+        """A copy of every state (in RAM), to run the following layers again from here (`restore`)."""
+        return self.P.copy(), [np.array(b) for b in self._banks]
+
+    def restore(self, snap: tuple[np.ndarray, list[np.ndarray]]) -> None:
+        self.P[:] = snap[0]
+        self._banks = [b.copy() for b in snap[1]]
+
     # --- access by token rows (whole chunks) ---
     def slabs(self, tokens: int) -> list[slice]:
         per = max(1, tokens // self.ctx) * self.ctx

@@ -68,6 +68,7 @@ class KldResult:
     chunks: int
     ctx: int
     summary: dict | None                    # KldStats.summary() when a QUANT was scored
+    stats: KldStats | None                  # and the per-token values behind it
     base_ppl: tuple[float, float] | None    # the base pass's "Final estimate" (PPL, +/-)
     passes: list[PassReport]
     seconds: float
@@ -183,13 +184,14 @@ class KldRun:
             if base_file is None:                 # into the work folder: --save-base gets it when all succeeded
                 base_ppl = self._base_pass(work / "base.kld", work, passes, on_layer)
                 base_file = BaseFile(work / "base.kld")
-            summary = self._quant_pass(base_file, work, passes, on_layer, on_chunk) if self.quant_source else None
+            stats = self._quant_pass(base_file, work, passes, on_layer, on_chunk) if self.quant_source else None
             if opts.save_base:
                 os.replace(work / "base.kld", opts.save_base)
         finally:
             shutil.rmtree(work, ignore_errors=True)
         from ..imatrix.job import peak_rss
-        return KldResult(self.n_chunks, self.ctx, summary, base_ppl, passes, time.time() - started, peak_rss())
+        return KldResult(self.n_chunks, self.ctx, stats.summary() if stats else None, stats, base_ppl, passes,
+                         time.time() - started, peak_rss())
 
     def _logits(self, source: WeightSource, which: str, work: Path, on_layer) -> Iterator[tuple[int, np.ndarray]]:
         """Each chunk's scored logits [ctx - 1 - ctx/2, n_vocab] (float32), the model run layer by layer first."""
@@ -232,14 +234,14 @@ class KldRun:
         passes.append(PassReport(self.opts.base, time.time() - t0, source.bytes_read - before))
         return ppl_estimate(nll, nll2, count)
 
-    def _quant_pass(self, base: BaseFile, work: Path, passes: list, on_layer, on_chunk) -> dict:
+    def _quant_pass(self, base: BaseFile, work: Path, passes: list, on_layer, on_chunk) -> KldStats:
         source, t0, before = self.quant_source, time.time(), self.quant_source.bytes_read
         stats, targets = KldStats(), self._targets()
         for c, logits in self._logits(source, "quant", work, on_layer):
             stats.add(logits, base.rows(c), targets[c])
             on_chunk(stats.chunk_line(c + 1))
         passes.append(PassReport(self.opts.quant, time.time() - t0, source.bytes_read - before))
-        return stats.summary()
+        return stats
 
     def _targets(self) -> np.ndarray:
         """[chunks, scored]: the token each scored position predicts (the stored tokens, not the BOS put in)."""

@@ -67,8 +67,9 @@ class KldStats:
         self.p_diff_values.append(p_diff)
         self.chunk_kld.append(float(kld.mean()))
 
-    def has_non_finite(self, logits: np.ndarray) -> bool:
-        return not np.isfinite(logits).all()
+    def sorted_values(self) -> tuple[np.ndarray, np.ndarray]:
+        """(KLD, dp) of every scored token, sorted: what the percentiles are read from."""
+        return np.sort(np.concatenate(self.kld_values)), np.sort(np.concatenate(self.p_diff_values))
 
     # --- llama-perplexity's summary ---
     def summary(self) -> dict:
@@ -83,8 +84,7 @@ class KldStats:
         mse, mse_unc = _mean_unc(self.sum_p_diff2, self.sum_p_diff4, c)
         rms = math.sqrt(mse)
         same = self.n_same_top / c
-        kv = np.sort(np.concatenate(self.kld_values))
-        pv = np.sort(np.concatenate(self.p_diff_values))
+        kv, pv = self.sorted_values()
         dp_mean, dp_unc = _mean_unc(self.sum_p_diff, self.sum_p_diff2, c)
         return {
             "tokens": c,
