@@ -940,7 +940,7 @@ def case_options(c: Ctx) -> Case:
     out = c.out / "out.gguf"
     k3, gguf = c.fx.k3, c.fx.k3_gguf
     size = rng.choice(["-5G", "0", "garbage", "99999999999999999999T", "1e400G", "infG", "nanG", "", "10", "0.5M",
-                       "5GB", "--5G"])
+                       "5Gi", "5GBB", "--5G"])     # 5GB is 5G (kimi_convert.sizes); 5Gi is no unit
     table = [
         ("kimi-convert", [k3, out, f"--split-max-size={size}"], f"--split-max-size {size!r}"),
         ("kimi-quantize", ["--policy", "q8_0", gguf, out, f"--split-max-size={size}"], f"--split-max-size {size!r}"),

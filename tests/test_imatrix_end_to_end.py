@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,8 @@ import pytest
 from kimi_convert.fixtures.make_checkpoint import make_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
-ENV = dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="300")
+ENV = dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="300",
+           XDG_CACHE_HOME=tempfile.mkdtemp(prefix="kimi-xdg-"))    # --target-size's cache: not the user's
 # rows of 256, so that IQ1_S / IQ2_XXS do not fall back to other types
 WIDE = dict(n_layers=8, hidden=256, moe_intermediate_size=256, routed_expert_hidden_size=256, intermediate_size=256,
             num_experts=8, num_experts_per_token=2, num_shared_experts=1, seed=3)

@@ -248,7 +248,8 @@ def test_a_type_not_writable_yet_plans_and_is_refused_before_writing(files, out_
     assert r.code == 0, r.err
     assert "BF16 -> TQ1_0" in next(x for x in r.out.splitlines() if x.startswith("blk.0.attn_q.weight "))
     assert "BF16 -> Q4_K" in next(x for x in r.out.splitlines() if x.startswith("token_embd.weight "))
-    assert "note: writing this plan is refused: blk.0.attn_q.weight: TQ1_0 cannot be written yet" in r.err
+    assert "note: writing this plan is refused: mixture TQ1_0: blk.0.attn_q.weight: TQ1_0 cannot be written yet" \
+        in r.err
     d = run("kimi-quantize", "--policy", "TQ1_0", src, "--dry-run")
     assert d.code == 0 and "TQ1_0" in d.out and "TQ1_0 cannot be written yet" in d.err, d.err
     r = run("kimi-quantize", "--policy", "TQ1_0", src, out_dir / "q.gguf")
@@ -264,7 +265,8 @@ def test_imatrix_requirements_as_llama_quantize(files, out_dir):
                          "mixture Q2_K_S requires --imatrix FILE (llama-quantize's tensor_requires_imatrix, Q2_K)")
     r = quantize("--policy", "Q2_K_S", src, "--explain")
     assert r.returncode == 0 and "writing the file needs --imatrix FILE too" in r.stderr, r.stderr
-    assert "writing this plan is refused: blk.0.attn_q.weight: Q2_K needs an importance matrix" in r.stderr
+    assert "writing this plan is refused: mixture Q2_K_S: blk.0.attn_q.weight: Q2_K needs an importance matrix" \
+        in r.stderr
     # an entry missing for a tensor whose type needs one: refused, naming it; token_embd (Q2_K, no entry) is exempt
     r = quantize("--policy", "Q2_K_S", src, out_dir / "q.gguf", "--imatrix", holed)
     assert_fails_cleanly(out_dir, r, f"{holed} has no entry for 1 tensor(s) whose type needs one",
@@ -273,6 +275,18 @@ def test_imatrix_requirements_as_llama_quantize(files, out_dir):
     assert r.returncode == 0, r.stderr
     assert open_gguf(out_dir / "q.gguf").tensors["token_embd.weight"].qtype == QT.Q2_K
     assert open_gguf(out_dir / "q.gguf").fields["general.file_type"] == 21
+
+
+def test_error_names_the_rule_that_chose_the_type(files, out_dir):
+    """kimi-quantize without --imatrix, a policy rule asking IQ2_XXS: the one error line starts with the policy
+    file and the rule's line (it named only the tensor), and so does --explain's note."""
+    src, _, _ = files
+    pol = out_dir.parent / "low.toml"
+    pol.write_text('default = "Q8_0"\n\n[[rules]]\npattern = "attn_q\\\\.weight$"\ntype = "IQ2_XXS"\n')
+    r = quantize("--policy", pol, src, out_dir / "q.gguf")
+    assert_fails_cleanly(out_dir, r, f"{pol}:4: blk.0.attn_q.weight: IQ2_XXS needs an importance matrix")
+    r = quantize("--policy", pol, src, "--explain")
+    assert f"writing this plan is refused: {pol}:4: blk.0.attn_q.weight: IQ2_XXS needs" in r.stderr, r.stderr
 
 
 def test_float_file_type_takes_no_tensor_type(files, out_dir):
@@ -290,8 +304,8 @@ def test_q1_0_has_no_shape_fallback(files):
     from kimi_convert.quant.driver import plan_file
     from kimi_convert.quant.plan import QuantizeError
     src, _, _ = files
-    with pytest.raises(QuantizeError, match=r"^blk\.0\.attn_output\.weight: row length 64 is not a multiple of the "
-                                            r"Q1_0 block \(128\) and Q1_0 has no fallback type"):
+    with pytest.raises(QuantizeError, match=r"^mixture Q1_0: blk\.0\.attn_output\.weight: row length 64 is not a "
+                                            r"multiple of the Q1_0 block \(128\) and Q1_0 has no fallback type"):
         plan_file(open_gguf(src), load_policy("Q1_0"))
     config, tensors = real_k3()
     plan = plan_quantization(tensors, load_policy("Q1_0"), model=ModelFacts.of(config))

@@ -122,7 +122,7 @@ def test_no_fallback_types_refuse_a_row_they_do_not_divide(target, block, row):
     with pytest.raises(QuantizeError) as err:
         plan_quantization(tensors, aimed)
     text = str(err.value)
-    assert "\n" not in text and text.startswith(f"blk.2.ffn_down_shexp.weight: row length {row} ")
+    assert "\n" not in text and text.startswith(f"p.toml:3: blk.2.ffn_down_shexp.weight: row length {row} ")
     assert f"{target} block ({block})" in text
     assert f"no tensor type fallback is defined for type {target.lower()}" in text
 
@@ -213,3 +213,74 @@ def test_quantized_sources_and_mxfp4_targets():
         plan = plan_quantization(K31_TENSORS, policy('default = "MXFP4"\n'), allow_requantize=allow)
         exps = by_name(plan)["blk.1.ffn_up_exps.weight"]
         assert exps.copied and not exps.requantized and not plan.warnings
+
+
+def test_errors_about_a_chosen_type_name_the_policy_file_and_line(tmp_path):
+    """An error about a tensor's type names the POLICY_FILE:LINE that chose it, as the policy's own errors do:
+    a rule's line, the default's line, the --tensor-type token; a protection (no choice) names none."""
+    from kimi_convert.quant.plan import write_blockers
+    text = 'default = "Q8_0"\n\n[[rules]]\npattern = "attn_q\\\\.weight$"\ntype = "IQ2_XXS"\n'
+    p = policy(text)
+    plan = plan_quantization([("blk.0.attn_q.weight", (8, 256), QT.BF16), ("blk.0.attn_k.weight", (8, 256), QT.BF16)],
+                             p)
+    d = by_name(plan)["blk.0.attn_q.weight"]
+    assert d.origin == "p.toml:4" and by_name(plan)["blk.0.attn_k.weight"].origin == "p.toml:1"
+    line = write_blockers(plan, None)[0]
+    assert line.startswith("p.toml:4: blk.0.attn_q.weight: IQ2_XXS needs an importance matrix"), line
+    with pytest.raises(QuantizeError, match=r"^p\.toml:4: blk\.0\.attn_q\.weight: IQ2_XXS needs"):
+        check_can_write(plan, None)
+    line = write_blockers(plan, set(), "im.gguf")[0]        # an imatrix without the tensor
+    assert "im.gguf has no entry for 1 tensor(s)" in line and "IQ2_XXS for blk.0.attn_q.weight chosen by p.toml:4" \
+        in line, line
+    # the default's line, and a --tensor-type token
+    with pytest.raises(QuantizeError, match=r"^p\.toml:1: blk\.0\.attn_q\.weight: is already Q8_0"):
+        decide("blk.0.attn_q.weight", (8, 256), QT.Q8_0, policy('default = "Q4_K"\n'), False)
+    tt = policy('default = "Q8_0"\n').with_tensor_types(tensor_type_rules(["attn_q=iq2_xxs"], []))
+    plan = plan_quantization([("blk.0.attn_q.weight", (8, 256), QT.BF16)], tt)
+    assert write_blockers(plan, None)[0].startswith("--tensor-type attn_q=iq2_xxs: blk.0.attn_q.weight: IQ2_XXS")
+    # a protection chose nothing: no origin
+    d = by_name(plan_quantization(K31_TENSORS, p))["blk.3.indexer.attn_k.weight"]
+    assert d.protection is not None and d.origin == "" and d.at == ""
+
+
+
+BACKTRACKING = [r"^(.+)+x$", r"(a|ab)*c", r"(\.\d+)*\.weight", r"(a*)*", r"(a.*){3}", r"(?:a+|b)+", r"(a|aa)+$",
+                r".*.*.*x", r"x*x*x*y", r"(?=.*x*x*y)"]
+RECIPE_PATTERNS = [r"^blk\.([1-9]|1\d|20)\.ffn_down_exps\.weight$", r"^blk\.\d+\.ffn_(gate|up|down)_exps\.weight$",
+                   "attn_", "ffn_(up|down)_exps", r"^blk\.0\.", "token_embd", "exps", r"blk\.[0-9]+\.ffn_.*_exps.*",
+                   r"blk\.\d+\.attn_.*", r".*_exps", r"^.*_.*_.*$", r"blk\.(1[0-9]|2[0-9])\.ffn_.*_exps",
+                   r"(?!.*exps).*attn", r"(a|b)+x", r"\.(\d+)\.", r"output\.weight", r"[a-z]+_[a-z]+\.weight",
+                   r"blk\.\d+\.ffn_(gate|up)_exps\.weight|token_embd", r"ffn_down_exps", r"attn_kv_a_mqa",
+                   "^(?:" + "|".join(rf"blk\.{i}\.attn_q\.weight" for i in range(60)) + ")$"]
+
+
+@pytest.mark.parametrize("pattern", BACKTRACKING)
+def test_backtracking_patterns_refused_from_the_pattern_alone(pattern):
+    """Refused when read, before any name is searched, by a rule on the pattern (no timer: the verdict is the
+    same on an idle machine and a busy one), in one line naming the policy file and line."""
+    from kimi_convert.quant import policy as policy_module
+    assert not hasattr(policy_module, "time_limit") and not hasattr(policy_module, "PATTERN_SECONDS")
+    text = f'default = "Q8_0"\n\n[[rules]]\npattern = \'attn\'\ntype = "Q8_0"\n\n[[rules]]\npattern = \'{pattern}\'\n' \
+           f'type = "Q4_0"\n'
+    with pytest.raises(PolicyError) as e:
+        parse_policy(text, "evil.toml")
+    assert str(e.value).startswith("evil.toml:8: pattern ") and "\n" not in str(e.value)
+    with pytest.raises(PolicyError, match=r"^--tensor-type "):
+        tensor_type_rules([f"{pattern}=q4_0"], [])
+
+
+@pytest.mark.parametrize("pattern", RECIPE_PATTERNS)
+def test_recipe_patterns_accepted(pattern):
+    p = parse_policy(f'default = "Q8_0"\n[[rules]]\npattern = \'{pattern}\'\ntype = "Q4_0"\n', "ok.toml")
+    assert p.rules[0].pattern.pattern == pattern
+    assert tensor_type_rules([f"{pattern}=q4_0"], [])[0].pattern.pattern == pattern.lower()
+
+
+def test_a_long_pattern_is_refused_by_its_length_not_its_time():
+    from kimi_convert.quant.policy import MAX_PATTERN_CHARS
+    names = "|".join(f"n{i}" for i in range(MAX_PATTERN_CHARS // 4))
+    assert len(names) > MAX_PATTERN_CHARS
+    with pytest.raises(PolicyError, match=rf"^p\.toml:3: pattern of {len(names):,} characters: at most "):
+        parse_policy(f'default = "Q8_0"\n[[rules]]\npattern = "{names}"\ntype = "Q4_0"\n', "p.toml")
+    with pytest.raises(PolicyError, match="pattern of 1,048,576 characters"):      # the issue's 1 MiB pattern
+        parse_policy(f'default = "Q8_0"\n[[rules]]\npattern = "{"a" * 2**20}"\ntype = "Q4_0"\n', "p.toml")

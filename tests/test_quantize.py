@@ -138,7 +138,8 @@ def test_q1_0_refuses_a_row_it_has_no_fallback_for_as_llama_quantize(k3_bf16, tm
     one line naming the tensor, before writing anything."""
     with pytest.raises(InteropError, match="no tensor type fallback is defined for type q1_0"):
         llama_quantize(k3_bf16, tmp_path / "theirs.gguf", int(FILE_TYPE[QT.Q1_0]), pure=True)
-    with pytest.raises(QuantizeError, match=r"^blk\.\d+\.\w+\.weight: row length \d+ .*no tensor type fallback"):
+    with pytest.raises(QuantizeError, match=r"^test\.toml:1: blk\.\d+\.\w+\.weight: row length \d+ .*no tensor type "
+                                            r"fallback"):
         quantize_file(k3_bf16, tmp_path / "ours.gguf", policy('default = "Q1_0"\n'))
     assert not (tmp_path / "ours.gguf").exists()
 

@@ -24,10 +24,23 @@ from kimi_convert.quant.target.units import ROUTED_EXPERTS
 from test_convert_errors import CLI_ENV
 
 
-def quantize(*args) -> subprocess.CompletedProcess:
+def quantize(*args, xdg: Path | None = None) -> subprocess.CompletedProcess:
+    """kimi-quantize in a subprocess; `xdg`: its $XDG_CACHE_HOME (the measurement cache's root), else a folder
+    of its own that no other test shares (never the user's ~/.cache)."""
     code = "from kimi_convert.cli.quantize import main\nmain()\n"
+    env = dict(CLI_ENV, XDG_CACHE_HOME=str(xdg or _private_cache()))
     return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,
-                          env=CLI_ENV, timeout=300)
+                          env=env, timeout=300)
+
+
+def _private_cache() -> Path:
+    import tempfile
+    return Path(tempfile.mkdtemp(prefix="kimi-xdg-"))
+
+
+def errors_dir(xdg: Path) -> Path:
+    """Where a run with XDG_CACHE_HOME=xdg keeps its measured errors."""
+    return xdg / "kimi-convert" / "errors"
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +64,9 @@ def solve_at(src, imatrix, work):
     """budget text -> Choice, in process, with the experts free (--allow-requantize) and one shared cache."""
     gf, imat = open_gguf(src), load_imatrix(imatrix)
 
-    def run(size: str, base=None, gpu=None, threads=1, cache=work / "errors.json", **kw):
+    def run(size: str, base=None, gpu=None, threads=1, cache=errors_dir(work / "shared"), **kw):
         return choose(gf, base or no_base(), parse_budget(size, None), imat, allow_requantize=True,
-                      gpu_budget=gpu, threads=threads, cache_path=cache, **kw)
+                      gpu_budget=gpu, threads=threads, cache_dir=cache, **kw)
     return run
 
 
@@ -114,7 +127,7 @@ def test_protections_and_base_pins_unmoved(solve_at, bounds, src, work):
 
 def test_mxfp4_experts_fixed_without_allow_requantize(src, imatrix):
     gf, imat = open_gguf(src), load_imatrix(imatrix)
-    c = choose(gf, no_base(), parse_budget("2.2M", None), imat, cache_path=None)
+    c = choose(gf, no_base(), parse_budget("2.2M", None), imat, cache_dir=None)
     plan = plan_file(gf, c.policy, imatrix=True)
     experts = [d for d in plan.decisions if ROUTED_EXPERTS.match(d.name)]
     assert experts and all(d.target == d.source == QT.MXFP4 for d in experts)
@@ -152,13 +165,15 @@ def test_cache_makes_a_second_budget_measure_nothing(solve_at, bounds):
 
 @pytest.fixture(scope="module")
 def target_run(src, imatrix, work, bounds):
-    """One kimi-quantize --target-size run (fresh cache, --threads 2): (OUT, the budget, CHOSEN.toml)."""
+    """One kimi-quantize --target-size run (fresh cache, XDG_CACHE_HOME=work/fresh, --threads 2): (OUT, the
+    budget, CHOSEN.toml)."""
     floor, ceiling, _ = bounds
     budget = str((floor + 2 * ceiling) // 3)
     out, chosen = work / "t.gguf", work / "chosen.toml"
     r = quantize(src, out, "--target-size", budget, "--imatrix", imatrix, "--allow-requantize", "--threads", "2",
-                 "--emit-policy", chosen)
+                 "--emit-policy", chosen, xdg=work / "fresh")
     assert r.returncode == 0, r.stderr
+    (work / "t.stderr").write_text(r.stderr)
     return out, budget, chosen
 
 
@@ -166,9 +181,13 @@ def test_cli_writes_budget_and_policy_that_round_trips(target_run, src, imatrix,
     """--policy CHOSEN.toml: identical bytes; the choice (2 threads, fresh cache) equals the in-process one at
     1 thread with the shared cache."""
     out, budget, chosen = target_run
-    assert Path(f"{out}.errors.json").is_file()
+    assert not Path(f"{out}.errors.json").exists()          # the cache is the user's, not beside OUT
+    assert any(errors_dir(out.parent / "fresh").glob("*.json"))
     assert sum(t.nbytes for t in open_gguf(out).tensors.values()) <= int(budget)
     assert chosen.read_text() == solve_at(budget, source=str(chosen)).text
+    header = next(x for x in chosen.read_text().splitlines() if x.startswith("# solver: predicted error"))
+    assert " lower bound " in header and " gap " in header and "optimal: exact search" in header, header
+    assert "solver: predicted error" in (out.parent / "t.stderr").read_text()    # and on stderr
     again = tmp_path / "p.gguf"
     r = quantize(src, again, "--policy", chosen, "--imatrix", imatrix, "--allow-requantize")
     assert r.returncode == 0, r.stderr
@@ -177,35 +196,62 @@ def test_cli_writes_budget_and_policy_that_round_trips(target_run, src, imatrix,
 
 def test_one_pass_equals_convert_then_quantize(k3_dir, target_run, imatrix, tmp_path):
     """kimi-convert --target-size: the same file and policy as kimi-convert, then kimi-quantize --target-size.
-    Its cache starts as a copy of the quantize run's: that nothing is measured shows the rows cut from the
-    converter's producers are the converted file's, byte for byte."""
+    It shares the quantize run's cache (the user's, one per machine): that nothing is measured shows the rows
+    cut from the converter's producers are the converted file's, byte for byte."""
     out, budget, chosen = target_run
     one, one_policy = tmp_path / "one.gguf", tmp_path / "one.toml"
-    (tmp_path / "one.gguf.errors.json").write_bytes(Path(f"{out}.errors.json").read_bytes())
+    env = dict(CLI_ENV, XDG_CACHE_HOME=str(out.parent / "fresh"))
     r = subprocess.run([sys.executable, "-c", "from kimi_convert.cli.convert import convert_main\nconvert_main()\n",
                         k3_dir, one, "--target-size", budget, "--imatrix", imatrix, "--allow-requantize",
-                        "--emit-policy", one_policy], capture_output=True, text=True, env=CLI_ENV, timeout=300)
+                        "--emit-policy", one_policy], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     assert " 0 measured" in r.stderr
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".errors.json")]
     assert one.read_bytes() == out.read_bytes()
     assert one_policy.read_text() == chosen.read_text()
 
 
 def test_dry_run_solves_and_prints_without_writing(src, imatrix, tmp_path, work, solve_at):
-    solve_at("2M")                          # the shared cache is filled; OUT's cache starts as a copy of it
-    cache = tmp_path / "o.gguf.errors.json"
-    cache.write_bytes((work / "errors.json").read_bytes())
-    r = quantize(src, tmp_path / "o.gguf", "--target-bpw", "6", "--imatrix", imatrix, "--dry-run", "--explain")
+    solve_at("2M")                          # the shared cache (XDG_CACHE_HOME=work/shared) is filled
+    r = quantize(src, tmp_path / "o.gguf", "--target-bpw", "6", "--imatrix", imatrix, "--dry-run", "--explain",
+                 xdg=work / "shared")
     assert r.returncode == 0, r.stderr
     assert "budget " in r.stderr and "chose" in r.stderr and "total" in r.stdout
     assert "solver: " in r.stdout            # --explain: each decision's why
     assert " 0 measured" in r.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == [cache.name]
+    assert list(tmp_path.iterdir()) == []
+    gap = next(x for x in r.stderr.splitlines() if x.startswith("solver: predicted error"))
+    error, bound, printed = (float(gap.split(k)[1].split()[0].rstrip(",%")) for k in
+                             ("predicted error ", "lower bound ", " gap "))
+    assert printed >= 0 and printed == pytest.approx(100 * (error - bound) / bound, abs=1e-3)     # .6g figures
+
+
+def test_fresh_dry_run_leaves_the_output_folder_as_it_was(src, imatrix, tmp_path):
+    """A dry run writes nothing beside OUT: its measurements go to the user's cache ($XDG_CACHE_HOME), where
+    the next run, from any folder, finds them."""
+    folder, xdg = tmp_path / "out", tmp_path / "xdg"
+    folder.mkdir()
+    (folder / "other.txt").write_text("kept")
+
+    def state(path: Path) -> list:
+        return sorted((str(p.relative_to(path)), p.stat().st_size, p.stat().st_mtime_ns) for p in path.rglob("*"))
+    before = state(folder)
+    r = quantize(src, folder / "o.gguf", "--target-size", "2.2M", "--imatrix", imatrix, "--dry-run", xdg=xdg)
+    assert r.returncode == 0, r.stderr
+    assert state(folder) == before
+    cached = sorted(errors_dir(xdg).iterdir())
+    assert cached and all(p.suffix == ".json" and len(p.stem) == 64 for p in cached)    # <sha256>.json only
+    assert " 0 measured" not in r.stderr
+    again = quantize(src, tmp_path / "elsewhere.gguf", "--target-size", "2.2M", "--imatrix", imatrix,
+                     "--dry-run", xdg=xdg)
+    assert again.returncode == 0, again.stderr
+    assert " 0 measured" in again.stderr and state(folder) == before
 
 
 @pytest.mark.parametrize("options, needle", [
     (dict(target_size="0"), "--target-size '0': must be more than 0 bytes"),
-    (dict(target_size="-5G"), "--target-size '-5G': not a size"),
+    (dict(target_size="-5G"), "--target-size '-5G': must be more than 0 bytes"),
+    (dict(target_size="5Gi"), "--target-size '5Gi': not a size"),
     (dict(target_size="1x"), "--target-size '1x': not a size"),
     (dict(target_bpw="abc"), "--target-bpw 'abc': not a number"),
     (dict(target_bpw="-1"), "--target-bpw '-1': must be more than 0"),
@@ -247,6 +293,44 @@ def test_lower_hull_drops_dominated_and_concave_points():
     pts = [_p(QT.Q4_0, 10, 5.0), _p(QT.Q5_0, 12, 4.9), _p(QT.Q8_0, 20, 1.0), _p(QT.BF16, 40, 0.0),
            _p(QT.Q5_1, 25, 1.5), _p(QT.F16, 40, 0.5)]
     assert [p.qtype for p in lower_hull(pts)] == [QT.Q4_0, QT.Q8_0, QT.BF16]
+
+
+def test_exact_search_no_worse_than_the_heuristic_and_the_gap_is_what_is_printed():
+    """A small instance where the hull, one multiplier and the greedy fill miss the optimum (a point above the
+    hull is the best use of the budget): the exact search finds it, by brute force the optimum; the gap printed is
+    (error - lower bound) / lower bound, >= 0, for the heuristic and the exact solution alike."""
+    import itertools
+    pts = [[_p(QT.Q2_K, 10, 9.0), _p(QT.Q4_K, 16, 6.0), _p(QT.Q8_0, 20, 1.0)],
+           [_p(QT.Q2_K, 10, 8.0), _p(QT.Q4_K, 14, 5.5), _p(QT.Q8_0, 22, 1.5)],
+           [_p(QT.Q2_K, 8, 4.0), _p(QT.Q8_0, 18, 0.5)]]
+    for budget in range(28, 61):
+        heuristic, exact = solve(pts, budget, exact=False), solve(pts, budget)
+        best = min(sum(p.error for p in c) for c in itertools.product(*pts) if sum(p.nbytes for p in c) <= budget)
+        assert exact.optimal is True and heuristic.optimal is False
+        assert exact.nbytes <= budget and heuristic.nbytes <= budget
+        assert exact.error == pytest.approx(best) and exact.error <= heuristic.error
+        assert exact.lower_bound == heuristic.lower_bound <= best + 1e-12
+        for sol in (heuristic, exact):
+            assert sol.gap >= 0 and sol.gap == pytest.approx((sol.error - sol.lower_bound) / sol.lower_bound)
+            assert f"gap {sol.gap:.4%}" in sol.describe() and f"lower bound {sol.lower_bound:.6g}" in sol.describe()
+    worse = [b for b in range(28, 61) if solve(pts, b, exact=False).error > solve(pts, b).error + 1e-12]
+    assert worse            # the instance does show the heuristic's shortfall
+    # the exact search gives up, deterministically, past its state limit: the heuristic stands, said as such
+    from kimi_convert.quant.target.solver import exact_solve
+    assert exact_solve(pts, 40, float("inf"), max_states=1) is None
+
+
+def test_the_heuristic_is_within_one_hull_step_of_the_bound():
+    """docs/policy.md's guarantee: error <= lower bound + the largest error one hull step saves."""
+    import random
+    rng = random.Random(7)
+    for _ in range(200):
+        pts = [[_p(t, rng.randint(1, 60), rng.uniform(0, 10)) for t in (QT.Q2_K, QT.Q4_K, QT.Q8_0)[:rng.randint(1, 3)]]
+               for _ in range(rng.randint(1, 6))]
+        budget = rng.randint(sum(min(p.nbytes for p in ps) for ps in pts), sum(max(p.nbytes for p in ps) for ps in pts))
+        h = solve(pts, budget, exact=False)
+        step = max([a.error - b.error for ps in pts for a, b in zip(lower_hull(ps), lower_hull(ps)[1:])] or [0.0])
+        assert h.lower_bound - 1e-9 <= h.error <= h.lower_bound + step + 1e-9
 
 
 def test_solve_fits_and_is_deterministic():
@@ -346,7 +430,7 @@ def test_real_model_budgets_hit_within_one_percent(arch, type_errors):
         if not floor < budget < ceiling:
             continue
         for gpu in (None, 60 * 10**9):
-            sol = split_solve(decisions, hulls, budget, gpu)
+            sol = split_solve(decisions, hulls, budget, gpu, exact=False)     # the heuristic's own reach
             chosen = decisions.fixed_bytes + sol.nbytes
             # the most a file can hold with its non-expert part within the GPU budget
             reach = budget if gpu is None else min(budget, gpu + decisions.fixed_bytes - _dense(decisions).fixed_bytes
@@ -359,8 +443,11 @@ def test_real_model_budgets_hit_within_one_percent(arch, type_errors):
             if budget == 600 * 10**9:       # the always-active 4% are not starved: 4 bits a weight or more
                 dense_weights = sum(u.n_weights for u in decisions.units if not u.expert)
                 assert dense * 8 / dense_weights >= 4.0, dense
+            assert sol.gap >= 0
+            # printed, not asserted: the fill (asserted: within 1% above) and the heuristic's gap to the bound;
+            # filling the budget says nothing about the error, the gap bounds it
             print(f"{arch} budget {budget / 1e9:.1f} GB, gpu {gpu}: chose {chosen / 1e9:.2f} GB "
-                  f"({100 * chosen / budget:.3f}%), non-expert {dense / 1e9:.1f} GB")
+                  f"({100 * chosen / budget:.3f}%), non-expert {dense / 1e9:.1f} GB, gap {sol.gap:.4%}")
 
 
 def real_config(arch: str):
@@ -393,3 +480,39 @@ def test_experts_weigh_by_their_share_of_the_tokens(src, imatrix, tmp_path):
     assert 0 < weighted < full
     one_eighth = unit_errors(unit, gguf_rows(gf), lambda n: vector, ErrorCache(None), 1, token_shares(dat, 0.125))
     assert one_eighth[QT.Q8_0] == pytest.approx(full / 8, rel=1e-12)
+
+
+def test_every_size_option_takes_the_same_sizes(src, imatrix, tmp_path):
+    """--target-size, --gpu-budget and --split-max-size in one command, each spelled with GB (kimi_convert.sizes):
+    all accepted, where --gpu-budget 80GB and --split-max-size 5GB were refused as not sizes."""
+    r = quantize(src, tmp_path / "o.gguf", "--target-size", "2.2MB", "--gpu-budget", "80GB", "--split-max-size",
+                 "5GB", "--imatrix", imatrix, "--allow-requantize", "--dry-run")
+    assert r.returncode == 0, r.stderr
+    assert "budget 2.2 MB" in r.stderr
+    r = quantize(src, tmp_path / "o.gguf", "--target-size", "2.2MB", "--gpu-budget", "80 GiB", "--imatrix", imatrix,
+                 "--dry-run")
+    assert r.returncode == 0, r.stderr
+
+
+def test_error_cache_is_the_users_merged_atomic_and_never_over_an_input(tmp_path, monkeypatch):
+    from kimi_convert.paths import Input
+    from kimi_convert.quant.target.measure import ErrorCache, error_cache_dir
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert error_cache_dir() == errors_dir(tmp_path / "xdg")
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative")        # the XDG spec: a relative path is ignored
+    assert error_cache_dir() == Path.home() / ".cache" / "kimi-convert" / "errors"
+    folder, d = tmp_path / "errors", "d" * 64
+    a, b = ErrorCache(folder), ErrorCache(folder)           # two runs at once, each measuring another type
+    assert a.get(d, QT.Q4_0, lambda: 1.0) == 1.0 and b.get(d, QT.Q8_0, lambda: 2.0) == 2.0
+    a.save()
+    b.save()                                                # merged with a's, not over it
+    c = ErrorCache(folder)
+    assert c.has(d, QT.Q4_0) and c.has(d, QT.Q8_0) and c.get(d, QT.Q8_0, lambda: 9.0) == 2.0 and c.hits == 1
+    assert [p.name for p in folder.iterdir()] == [f"{d}.json"]         # no temporary file left
+    read = folder / f"{'e' * 64}.json"                      # a file the run reads, where a cache file would go
+    read.write_text("an input")
+    notes = []
+    e = ErrorCache(folder, notes.append, [Input(read, "imatrix")])
+    e.get("e" * 64, QT.Q4_0, lambda: 1.0)
+    e.save()
+    assert read.read_text() == "an input" and any("would overwrite the imatrix" in n for n in notes), notes

@@ -5,12 +5,10 @@ from __future__ import annotations
 import errno
 import glob
 import os
-import re
 import signal
 import sys
 import traceback
 from contextlib import contextmanager
-from decimal import Decimal
 from pathlib import Path
 from typing import List, Optional
 
@@ -19,6 +17,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
+from .. import sizes
 from ..errors import Interrupted, KimiError
 from ..interrupts import INTERRUPTS, deliver_postponed, postpone
 
@@ -173,21 +172,11 @@ def human(n: float) -> str:
     return str(n)
 
 
-_SIZE = re.compile(r"([-+]?(?:\d+\.?\d*|\.\d+))\s*([KMGT]?)", re.IGNORECASE)
-_SIZE_UNITS = {"": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4}
-MAX_FILE_SIZE = 2**63 - 1     # the largest file offset (off_t) there is
-
-
 def parse_size(text: str, option: str = "--split-max-size") -> int:
-    """'50G', '900M', '1.5T' or bytes -> bytes (llama.cpp's --split-max-size spelling; powers of 1000).
-    Computed in decimal, so 1.1G is 1,100,000,000 bytes, not a float's neighbour of it."""
-    m = _SIZE.fullmatch(text.strip())
-    if not m:
-        raise KimiError(f"{option} {text!r}: not a size; use bytes or a number with K, M, G or T, e.g. 50G")
-    n = int(Decimal(m[1]) * _SIZE_UNITS[m[2].upper()])
-    if n > MAX_FILE_SIZE:
-        raise KimiError(f"{option} {text}: more than any file can hold ({MAX_FILE_SIZE:,} bytes)")
-    return n
+    """A size option's value in bytes: the one grammar of every size option (kimi_convert.sizes: 50G, 50GB,
+    46.6GiB, bytes; K/M/G/T powers of 1000 as llama.cpp counts them). Computed in decimal, so 1.1G is
+    1,100,000,000 bytes, not a float's neighbour of it."""
+    return sizes.parse_size(text, option)
 
 
 def check_count(value: int, option: str, low: int, high: Optional[int] = None, why: str = "") -> None:

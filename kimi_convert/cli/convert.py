@@ -25,7 +25,8 @@ def convert(
                                help="output .gguf (split parts get -00001-of-0000N.gguf)"),
     outtype: str = typer.Option("bf16", help="bf16 (source bytes copied) or f32; MXFP4 experts stay MXFP4"),
     split_max_size: Optional[str] = typer.Option(
-        None, metavar="SIZE", help="max bytes per split file, e.g. 50G; at least 1M (K, M, G, T: powers of 1000)"),
+        None, metavar="SIZE", help="max bytes per split file, e.g. 50G or 50GB; at least 1M "
+                                "(K, M, G, T: powers of 1000; KiB..TiB: 1024)"),
     split_max_tensors: int = typer.Option(0, help="max tensors per split file"),
     dry_run: bool = typer.Option(False, "--dry-run", help="check everything the run checks, print the plan "
                                  "and exit"),
@@ -81,8 +82,8 @@ def convert(
             target = target_options(target_size, target_bpw, gpu_budget, emit_policy, imatrix, policy)
             quant_options = _policy_options(policy, tensor_type, tensor_type_file, imatrix, allow_requantize,
                                             strict, dry_run, target is not None)    # their errors come first
-            refuse_overlap(run_inputs(hf_dir, *(quant_options or ())),
-                           [*written_paths(out), *(target.outputs(out) if target else [])])
+            inputs = run_inputs(hf_dir, *(quant_options or ()))
+            refuse_overlap(inputs, [*written_paths(out), *(target.outputs() if target else [])])
             emitted = (held.enter_context(closing(Report(emit_policy, force, "--emit-policy")))
                        if emit_policy is not None else None)
             if not dry_run:             # a second run into OUT refuses before reading 96 shard headers
@@ -93,7 +94,8 @@ def convert(
                 from .policy_options import report_decisions, report_write_blockers
                 pol, imat = quant_options
                 if target is not None:
-                    choice = choose_in_pass(plan, pol, imat, target, out, allow_requantize=allow_requantize)
+                    choice = choose_in_pass(plan, pol, imat, target, allow_requantize=allow_requantize,
+                                            inputs=inputs)
                     pol = choice.policy
                 one = plan_policy(plan, pol, imatrix=imat, allow_requantize=allow_requantize, strict=strict)
                 report_decisions(one.plan, imat)
@@ -120,12 +122,13 @@ def convert(
     print_result(result, one)
 
 
-def choose_in_pass(plan, base, imat, target, out: Path, *, allow_requantize: bool):
+def choose_in_pass(plan, base, imat, target, *, allow_requantize: bool, inputs=()):
     """--target-size in the one pass: kimi-quantize's choice for the converted file, its rows cut from the
     converter's own producers (quant.target.streamed)."""
     from ..convert.converter import plan_policy, producers, row_reader
     from ..quant.blocks import default_threads
     from ..quant.target.choose import check_decisions, choose_decided, expert_share
+    from ..quant.target.measure import error_cache_dir
     from ..quant.target.streamed import producer_rows
     import numpy as np
     base_plan = plan_policy(plan, base, imatrix=imat, allow_requantize=allow_requantize).plan
@@ -135,7 +138,7 @@ def choose_in_pass(plan, base, imat, target, out: Path, *, allow_requantize: boo
     rows = producer_rows(producers(plan), row_reader(plan))
     choice = choose_decided(decisions, budget_bytes, rows, base, target.budget, imat,
                             allow_requantize=allow_requantize, gpu_budget=target.gpu_budget,
-                            threads=default_threads(), cache_path=target.cache_path(out),
+                            threads=default_threads(), cache_dir=error_cache_dir(), inputs=inputs,
                             source=str(target.emit_policy or "the chosen policy"), note=note,
                             expert_share=expert_share(plan.config))
     from .policy_options import print_choice

@@ -9,7 +9,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..errors import KimiError
-from .common import console, human, note, output, parse_size, reading
+from .common import console, human, note, output, reading
 
 
 def load_policy_options(policy: Optional[str], tensor_type: List[str], tensor_type_file: List[Path],
@@ -46,7 +46,8 @@ def target_options(target_size: Optional[str], target_bpw: Optional[str], gpu_bu
     budget = parse_budget(target_size, target_bpw)
     gpu = None
     if gpu_budget is not None:
-        gpu = parse_size(gpu_budget, "--gpu-budget")
+        from ..sizes import parse_size
+        gpu = parse_size(gpu_budget, "--gpu-budget", BudgetError)
         if gpu <= 0:
             raise BudgetError(f"--gpu-budget {gpu_budget!r}: must be more than 0 bytes")
     check_budget_options(budget, imatrix, gpu)
@@ -58,13 +59,16 @@ def target_options(target_size: Optional[str], target_bpw: Optional[str], gpu_bu
 
 
 def print_choice(choice, explain: bool) -> None:
-    """On stderr: the budget met; with --explain, each decision (its type, bytes, error and the hull's others)."""
+    """On stderr: the budget met and the solve's error, lower bound and gap; with --explain, each decision (its
+    type, bytes, error and the hull's others)."""
     from ..quant.target.budget import decimal_size
     if explain:
         for line in choice.lines:
             console.print(escape(line), highlight=False)
     console.print(f"budget {decimal_size(choice.budget_bytes)}: chose {decimal_size(choice.nbytes)} "
                   f"(floor {decimal_size(choice.floor)}, ceiling {decimal_size(choice.ceiling)})", highlight=False)
+    if choice.solution is not None:
+        note(f"solver: {choice.solution.describe()}")
 
 def report_decisions(plan, imat) -> None:
     """On stderr: the rules that name protected tensors, the warnings, and the imatrix's coverage."""

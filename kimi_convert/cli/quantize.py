@@ -68,7 +68,8 @@ def quantize(
                                          "--target-size, the BASE whose rules pin the tensors they name"),
     target_size: Optional[str] = typer.Option(None, "--target-size", metavar="SIZE",
                                               help="choose every free tensor's type so that the tensor data "
-                                              "fits SIZE (K/M/G/T: powers of 1000), e.g. 600G; needs --imatrix"),
+                                              "fits SIZE (600G = 600GB = 600e9 bytes; 558GiB in powers of "
+                                              "1024); needs --imatrix"),
     target_bpw: Optional[str] = typer.Option(None, "--target-bpw", metavar="BPW",
                                              help="the same budget in bits per weight, e.g. 2.5"),
     gpu_budget: Optional[str] = typer.Option(None, "--gpu-budget", metavar="SIZE",
@@ -135,10 +136,10 @@ def quantize(
             pol, imat = load_policy_options(policy, tensor_type, tensor_type_file, imatrix,
                                             allow_requantize=allow_requantize, plan_only=explain or dry_run,
                                             base=target is not None)
-            cache = target and target.cache_path(out)
-            refuse_overlap(run_inputs(src, pol, imat), [*(written_paths(out) if out is not None else []),
-                                                        *([report_output(json_file)] if json_file else []),
-                                                        *(target.outputs(out) if target else [])])
+            inputs = run_inputs(src, pol, imat)
+            refuse_overlap(inputs, [*(written_paths(out) if out is not None else []),
+                                    *([report_output(json_file)] if json_file else []),
+                                    *(target.outputs() if target else [])])
             report = held.enter_context(closing(Report(json_file, force))) if json_file is not None else None
             emitted = (held.enter_context(closing(Report(emit_policy, force, "--emit-policy")))
                        if emit_policy is not None else None)
@@ -149,7 +150,7 @@ def quantize(
             choice = None
             if target is not None:
                 choice = choose_types(gf, pol, imat, target, allow_requantize=allow_requantize, threads=threads,
-                                      cache=cache)
+                                      inputs=inputs)
                 pol = choice.policy
             plan = plan_file(gf, pol, allow_requantize=allow_requantize, strict=strict, imatrix=imat is not None)
             report_decisions(plan, imat)
@@ -187,11 +188,12 @@ def quantize(
                   f"in {result.seconds:.1f} s", highlight=False)
 
 
-def choose_types(gf, base, imat, target, *, allow_requantize: bool, threads: int, cache):
+def choose_types(gf, base, imat, target, *, allow_requantize: bool, threads: int, inputs):
     from ..quant.blocks import default_threads
     from ..quant.target.choose import choose
+    from ..quant.target.measure import error_cache_dir
     return choose(gf, base, target.budget, imat, allow_requantize=allow_requantize, gpu_budget=target.gpu_budget,
-                  threads=threads or default_threads(), cache_path=cache,
+                  threads=threads or default_threads(), cache_dir=error_cache_dir(), inputs=inputs,
                   source=str(target.emit_policy or "the chosen policy"), note=note)
 
 

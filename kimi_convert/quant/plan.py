@@ -66,6 +66,13 @@ class Decision:
     protection: Protection | None = None
     rule: Rule | None = None
     needs_imatrix: bool = False    # llama-quantize makes this target only with an imatrix entry
+    origin: str = ""               # where the type was chosen: "POLICY_FILE:LINE" of the rule or the default
+                                   # ("--tensor-type TOKEN", "mixture Q2_K"); "" for a protection
+
+    @property
+    def at(self) -> str:
+        """The prefix of an error about the chosen type: "POLICY_FILE:LINE: " (nothing for a protection)."""
+        return f"{self.origin}: " if self.origin else ""
 
     @property
     def copied(self) -> bool:
@@ -185,19 +192,22 @@ def decide(name: str, shape: tuple[int, ...], source: QT, policy: Policy, allow_
         return Decision(name, shape, source, source, why, guard, rule), (Conflict(name, rule, guard) if named else None)
     if rule is not None:
         wanted, why = rule.target, f"rule {rule.describe()}" + (f": {rule.why}" if rule.why else "")
+        origin = rule.origin
     elif mixture is not None:
         try:
             wanted, why = mixture.choose(name, shape)
         except MixtureError as e:
             raise QuantizeError(str(e)) from None
+        origin = policy.source                      # "mixture Q2_K": llama-quantize's rules, no file
     else:
         wanted, why = policy.default, f"default {type_name(policy.default)} ({policy.default_origin})"
+        origin = policy.default_origin
     target = source if wanted is None else wanted
-    target, why = _fallback(name, shape, target, why)
-    _check_possible(name, source, target, allow_requantize)
+    target, why = _fallback(name, shape, target, why, origin)
+    _check_possible(name, source, target, allow_requantize, origin)
     return Decision(name, shape, source, target, why, guard, rule,
                     source != target and (requires_imatrix(name, target, policy.mixture)
-                                          or _ggml_needs_imatrix(target))), None
+                                          or _ggml_needs_imatrix(target)), origin), None
 
 
 def _ggml_needs_imatrix(target: QT) -> bool:
@@ -206,12 +216,13 @@ def _ggml_needs_imatrix(target: QT) -> bool:
     return target in supported_types() and block_type(target).ggml_requires_imatrix
 
 
-def _fallback(name: str, shape: tuple[int, ...], target: QT, why: str) -> tuple[QT, str]:
+def _fallback(name: str, shape: tuple[int, ...], target: QT, why: str, origin: str = "") -> tuple[QT, str]:
     row = shape[-1]
     try:
         fallback = fallback_type(target, row)
     except MixtureError as e:
-        raise QuantizeError(f"{name}: row length {row} is not a multiple of the {target.name} block "
+        at = f"{origin}: " if origin else ""
+        raise QuantizeError(f"{at}{name}: row length {row} is not a multiple of the {target.name} block "
                             f"({QUANT_SIZES[target][0]}) and {e}; choose another type for this tensor") from None
     if fallback == target:
         return target, why
@@ -220,13 +231,14 @@ def _fallback(name: str, shape: tuple[int, ...], target: QT, why: str) -> tuple[
                      f"as llama-quantize falls back"
 
 
-def _check_possible(name: str, source: QT, target: QT, allow_requantize: bool) -> None:
+def _check_possible(name: str, source: QT, target: QT, allow_requantize: bool, origin: str = "") -> None:
     """A float tensor can become any type; a quantized one only itself (a byte copy: MXFP4 experts stay MXFP4,
     even under --allow-requantize), or another type with --allow-requantize."""
     if target == source:
         return
     if source not in FLOAT_TYPES and not allow_requantize:
-        raise QuantizeError(f"{name}: is already {source.name}; re-quantizing it to {target.name} needs "
+        at = f"{origin}: " if origin else ""
+        raise QuantizeError(f"{at}{name}: is already {source.name}; re-quantizing it to {target.name} needs "
                             f"--allow-requantize (as llama-quantize's)")
 
 
@@ -243,21 +255,23 @@ def write_blockers(plan: QuantPlan, imatrix: Container[str] | None, imatrix_path
     unwritable = [d for d in plan.decisions if not d.copied and d.target not in writable]
     if unwritable:
         d, also = unwritable[0], {x.target.name for x in unwritable} - {unwritable[0].target.name}
-        out.append(f"{d.name}: {d.target.name} cannot be written yet ({d.source.name} -> {d.target.name}"
+        out.append(f"{d.at}{d.name}: {d.target.name} cannot be written yet ({d.source.name} -> {d.target.name}"
                    + (f"; also {', '.join(sorted(also))}" if also else "") + f"); kimi-quantize writes "
                    f"{', '.join(t.name for t in writable)}")
     needing = [d for d in plan.decisions if d.needs_imatrix]
     if needing and imatrix is None:
         d = needing[0]
-        out.append(f"{d.name}: {d.target.name} needs an importance matrix (--imatrix FILE), as llama-quantize "
+        out.append(f"{d.at}{d.name}: {d.target.name} needs an importance matrix (--imatrix FILE), as llama-quantize "
                    f"requires for it ({len(needing)} tensor(s) need one); kimi-imatrix MODEL -f TEXT -o FILE makes "
                    f"one from the checkpoint or the GGUF")
     elif needing:
         missing = [d.name for d in needing if d.name not in imatrix]
         if missing:
+            first = next(d for d in needing if d.name not in imatrix)
             shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
             out.append(f"{imatrix_path} has no entry for {len(missing)} tensor(s) whose type needs one, as "
-                       f"llama-quantize (or ggml, for IQ1_S, IQ2_XXS, IQ2_XS) requires: {shown}")
+                       f"llama-quantize (or ggml, for IQ1_S, IQ2_XXS, IQ2_XS) requires: {shown} "
+                       f"({first.target.name} for {first.name} chosen by {first.origin or 'a protection'})")
     return out
 
 

@@ -1,17 +1,16 @@
-"""The budget: `--target-size 600G` (bytes of tensor data, as --dry-run counts them; K/M/G/T are powers of 1000)
+"""The budget: `--target-size 600G` (bytes of tensor data, as --dry-run counts them; the size grammar of every
+size option, kimi_convert.sizes: K/M/G/T powers of 1000, a trailing B alike, KiB/MiB/GiB/TiB powers of 1024)
 or `--target-bpw 2.5` (bits per weight: the same budget divided by the model's weight count). Checked before any
 tensor is read: a bad value, or a budget below the floor / above the ceiling of what the candidate types make,
 is one line and exit 1."""
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 
 from ...errors import KimiError
+from ...sizes import parse_size
 
-_SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]?)B?", re.IGNORECASE)
-_UNITS = {"": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4}
 
 
 class BudgetError(KimiError):
@@ -44,11 +43,7 @@ def parse_budget(target_size: str | None, target_bpw: str | None) -> Budget | No
 
 
 def parse_target_size(text: str) -> int:
-    m = _SIZE.fullmatch(text.strip())
-    if not m:
-        raise BudgetError(f"--target-size {text!r}: not a size; use bytes or a number with K, M, G or T "
-                          f"(powers of 1000), e.g. 600G")
-    n = int(Decimal(m[1]) * _UNITS[m[2].upper()])
+    n = parse_size(text, "--target-size", BudgetError)
     if n <= 0:
         raise BudgetError(f"--target-size {text!r}: must be more than 0 bytes")
     return n

@@ -16,7 +16,7 @@ from ..policy import Policy, parse_policy
 from .budget import Budget, BudgetError, check_feasible, decimal_size
 from .emit import Chosen, decided_why, policy_text
 from .measure import ErrorCache, RowReader, gguf_rows, token_shares, unit_errors
-from .solver import Point, Solution, lower_hull, solve
+from .solver import Point, Solution, lower_hull, lp_bound_two, solve
 from .units import ROUTED_EXPERTS, Decisions, held, split_decisions
 
 
@@ -29,6 +29,7 @@ class Choice:
     floor: int
     ceiling: int
     lines: list[str] = field(default_factory=list)      # one per decision, for --explain / --dry-run
+    solution: Solution | None = None                    # the solve: its error, lower bound and gap
 
 
 def n_weights(gf: GGUFFile) -> int:
@@ -60,14 +61,16 @@ def check_decisions(plan: QuantPlan, weights: int, budget: Budget, imat, *, allo
 
 
 def choose(gf: GGUFFile, base: Policy, budget: Budget, imat, *, allow_requantize: bool = False,
-           gpu_budget: int | None = None, threads: int = 1, cache_path: Path | None = None,
+           gpu_budget: int | None = None, threads: int = 1, cache_dir: Path | None = None, inputs=(),
            source: str = "chosen policy", note: Callable[[str], None] = lambda s: None) -> Choice:
-    """The chosen policy for GGUF file `gf` (kimi-quantize)."""
+    """The chosen policy for GGUF file `gf` (kimi-quantize). `cache_dir`: the measurement cache's folder
+    (measure.error_cache_dir(); None: measured errors are kept in memory only); `inputs`: the files the run
+    reads, which no cache file replaces."""
     decisions, budget_bytes = feasible_decisions(gf, base, budget, imat, allow_requantize=allow_requantize,
                                                  gpu_budget=gpu_budget)
     return choose_decided(decisions, budget_bytes, gguf_rows(gf), base, budget, imat,
                           allow_requantize=allow_requantize, gpu_budget=gpu_budget, threads=threads,
-                          cache_path=cache_path, source=source, note=note,
+                          cache_dir=cache_dir, inputs=inputs, source=source, note=note,
                           expert_share=expert_share(KimiConfig.from_gguf(gf.fields, gf.paths[0])))
 
 
@@ -77,13 +80,11 @@ def expert_share(config: KimiConfig) -> float:
 
 
 def choose_decided(decisions: Decisions, budget_bytes: int, rows: RowReader, base: Policy, budget: Budget, imat, *,
-                   allow_requantize: bool, gpu_budget: int | None, threads: int, cache_path: Path | None,
-                   source: str, note: Callable[[str], None], expert_share: float) -> Choice:
+                   allow_requantize: bool, gpu_budget: int | None, threads: int, cache_dir: Path | None,
+                   source: str, note: Callable[[str], None], expert_share: float, inputs=()) -> Choice:
     """Measure, solve and emit, for decisions checked by check_decisions; `rows` reads a tensor's stored rows
     (from a GGUF, or from the converter's producer in kimi-convert's one pass)."""
-    if cache_path is None:
-        note("no OUT.gguf or --emit-policy: the measured errors are not cached")
-    cache = ErrorCache(cache_path, note)
+    cache = ErrorCache(cache_dir, note, inputs)
     vectors: dict[str, np.ndarray | None] = {}
 
     def vector(name: str):
@@ -92,16 +93,16 @@ def choose_decided(decisions: Decisions, budget_bytes: int, rows: RowReader, bas
             vectors[name] = imat.vector(d.name, d.shape)
         return vectors[name]
     shares = token_shares(imat, expert_share)
-    hulls = []
+    points = []             # per decision, every candidate (bytes, measured error), smallest first
     for u in decisions.units:
         errors = unit_errors(u, rows, vector, cache, threads, shares)
-        hulls.append(lower_hull([Point(t, u.nbytes(t), errors[t]) for t in u.candidates]))
+        points.append([Point(t, u.nbytes(t), errors[t]) for t in u.candidates])
         vectors.clear()
     cache.save(note)
     note(f"error measures: {cache.hits} from the cache, {cache.misses} measured"
-         + (f" ({cache_path})" if cache_path is not None else ""))
-    solution = split_solve(decisions, hulls, budget_bytes, gpu_budget)
-    return _choice(decisions, hulls, solution, budget, budget_bytes, source, base, allow_requantize,
+         + (f" ({cache_dir})" if cache_dir is not None else " (not cached)"))
+    solution = split_solve(decisions, points, budget_bytes, gpu_budget)
+    return _choice(decisions, points, solution, budget, budget_bytes, source, base, allow_requantize,
                    f"imatrix {getattr(imat, 'path', '?')}", expert_share)
 
 
@@ -111,11 +112,13 @@ def _dense(decisions: Decisions) -> Decisions:
                      tuple(d for d in decisions.fixed if not ROUTED_EXPERTS.match(d.name)))
 
 
-def split_solve(decisions: Decisions, hulls: list, budget_bytes: int, gpu_budget: int | None) -> Solution:
-    """One knapsack over every decision; with a GPU budget that the non-expert part of it exceeds, the
-    non-expert decisions are solved within the GPU budget first and the experts within what is left."""
+def split_solve(decisions: Decisions, hulls: list, budget_bytes: int, gpu_budget: int | None,
+                exact: bool = True) -> Solution:
+    """One knapsack over every decision (`hulls`: each decision's candidate points; the choice indexes them);
+    with a GPU budget that the non-expert part of it exceeds, the non-expert decisions are solved within the
+    GPU budget first and the experts within what is left, and the lower bound is that of both constraints."""
     free = budget_bytes - decisions.fixed_bytes
-    joint = solve(hulls, free)
+    joint = solve(hulls, free, exact)
     if gpu_budget is None:
         return joint
     dense_idx = [i for i, u in enumerate(decisions.units) if not u.expert]
@@ -127,14 +130,15 @@ def split_solve(decisions: Decisions, hulls: list, budget_bytes: int, gpu_budget
     expert_floor = sum(hulls[i][0].nbytes for i in expert_idx)
     dense_free = min(gpu_budget, budget_bytes - (decisions.fixed_bytes - dense.fixed_bytes) - expert_floor) \
         - dense.fixed_bytes
-    d = solve([hulls[i] for i in dense_idx], dense_free)
-    e = solve([hulls[i] for i in expert_idx], free - d.nbytes)
+    d = solve([hulls[i] for i in dense_idx], dense_free, exact)
+    e = solve([hulls[i] for i in expert_idx], free - d.nbytes, exact)
     choice = [0] * len(hulls)
     for i, c in zip(dense_idx, d.choice):
         choice[i] = c
     for i, c in zip(expert_idx, e.choice):
         choice[i] = c
-    return Solution(choice, e.lam, d.nbytes + e.nbytes, d.error + e.error)
+    bound = lp_bound_two(hulls, [not u.expert for u in decisions.units], free, gpu_budget - dense.fixed_bytes)
+    return Solution(choice, e.lam, d.nbytes + e.nbytes, d.error + e.error, bound, False)
 
 
 def _choice(decisions: Decisions, hulls, solution: Solution, budget: Budget, budget_bytes: int, source: str,
@@ -143,11 +147,13 @@ def _choice(decisions: Decisions, hulls, solution: Solution, budget: Budget, bud
     lines = []
     for u, h, i in zip(decisions.units, hulls, solution.choice):
         p = h[i]
-        others = ", ".join(f"{q.qtype.name} {q.error:.3g}" for q in h if q is not p) or "no other hull point"
+        hull = lower_hull(h)
+        others = ", ".join(f"{q.qtype.name} {q.error:.3g}" for q in hull if q is not p) or "no other hull point"
+        off = "" if any(q is p for q in hull) else " (off the hull: the exact search's)"
         chosen.append(Chosen(u.decisions, p.qtype, p.error, decided_why(p.qtype, p.error, p.nbytes,
-                                                                        f"hull: {others}")))
+                                                                        f"hull: {others}{off}")))
         lines.append(f"{u.key:<40} {p.qtype.name:>7} {decimal_size(p.nbytes):>28}  error {p.error:.4g}  "
-                     f"(hull: {others})")
+                     f"(hull: {others}){off}")
     for d in decisions.fixed:
         if not held(d, allow_requantize):
             chosen.append(Chosen((d,), d.target, None, f"fixed: {d.why}"))
@@ -159,13 +165,15 @@ def _choice(decisions: Decisions, hulls, solution: Solution, budget: Budget, bud
               f"non-expert tensors {decimal_size(dense)}, routed experts {decimal_size(nbytes - dense)}",
               f"candidates: {', '.join(t.name for t in types)}; {imatrix}",
               f"fixed (protected, pinned, no choice): {decimal_size(decisions.fixed_bytes)}; decided: "
-              f"{len(decisions.units)} decisions, predicted error {solution.error:.6g}, lambda {solution.lam:.6g}",
+              f"{len(decisions.units)} decisions",
+              f"solver: {solution.describe()}; the gap is (error - lower bound) / lower bound, the most this "
+              f"choice's error can exceed the least any choice within the budget makes",
               f"base: {base.source}; error measure: imatrix-weighted relative error on sampled rows, each "
               f"matrix weighted by its rows and its share of the tokens (a routed expert's: its imatrix count "
               f"over a dense tensor's, else {expert_share:.4g})"]
     text = policy_text(chosen, header)
     policy = replace(parse_policy(text, source), inputs=base.inputs)
-    return Choice(policy, text, budget_bytes, nbytes, decisions.floor(), decisions.ceiling(), lines)
+    return Choice(policy, text, budget_bytes, nbytes, decisions.floor(), decisions.ceiling(), lines, solution)
 
 
 def check_budget_options(budget: Budget | None, imatrix, gpu_budget: int | None) -> None:
@@ -185,17 +193,11 @@ class TargetOptions:
     gpu_budget: int | None
     emit_policy: Path | None
 
-    def cache_path(self, out: Path | None) -> Path | None:
-        """The error cache: beside OUT, else beside the emitted policy, else none."""
-        beside = out if out is not None else self.emit_policy
-        return None if beside is None else Path(beside).with_name(f"{Path(beside).name}.errors.json")
-
-    def outputs(self, out: Path | None) -> list:
-        """The paths a budget run writes besides OUT: the emitted policy and the error cache."""
-        from ...paths import Output, report_output
-        found = [report_output(self.emit_policy, "--emit-policy")] if self.emit_policy is not None else []
-        cache = self.cache_path(out)
-        return found + ([Output(cache, "error cache")] if cache is not None else [])
+    def outputs(self) -> list:
+        """The paths a budget run writes besides OUT: the emitted policy. (The measurement cache is the
+        user's, shared by every run: measure.error_cache_dir(), never beside OUT.)"""
+        from ...paths import report_output
+        return [report_output(self.emit_policy, "--emit-policy")] if self.emit_policy is not None else []
 
 
 def no_base() -> Policy:

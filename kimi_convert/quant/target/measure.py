@@ -21,9 +21,14 @@ evenly strided from an offset seeded by the tensor's name (the same rows every r
 are measured on `threads` threads at once (one candidate each; the kernels drop the GIL); each candidate's sum
 is taken in the same order whatever the thread count, so the errors do not depend on it.
 
-Results are cached in a JSON file beside the output, keyed by a hash of the sampled rows' stored bytes, the
-imatrix values they are quantized with, the type and this module's MEASURE_VERSION: a second budget on the
-same model and imatrix reads the samples and quantizes nothing.
+Results are cached in the user's cache folder, $XDG_CACHE_HOME/kimi-convert/errors (else
+~/.cache/kimi-convert/errors; `error_cache_dir`), one small JSON file per sampled tensor named by a hash of its
+sampled rows' stored bytes, the imatrix values they are quantized with, the token shares and this module's
+MEASURE_VERSION, holding the error of each type measured for it. Every run on the machine shares it (a second
+budget on the same model and imatrix, from any folder, reads the samples and quantizes nothing), and no run
+writes anything beside its output for it: a --dry-run leaves the output's folder as it was. Each file is written
+under a temporary name in that folder and renamed, merged with what another run may have written meanwhile,
+and never over a file the run reads.
 """
 from __future__ import annotations
 
@@ -50,42 +55,94 @@ EXPERT_ROWS = 4         # rows sampled per matrix at least: K3's 896 experts giv
 TENSOR_ROWS = 64        # rows sampled per tensor at least (all of them when it has fewer)
 
 
+def error_cache_dir() -> Path:
+    """The measurement cache every run on this machine shares: $XDG_CACHE_HOME/kimi-convert/errors, else
+    ~/.cache/kimi-convert/errors (the XDG base directory spec's default)."""
+    base = os.environ.get("XDG_CACHE_HOME") or ""
+    root = Path(base) if os.path.isabs(base) else Path.home() / ".cache"      # the spec: a relative one is ignored
+    return root / "kimi-convert" / "errors"
+
+
 class ErrorCache:
-    """(sample hash -> error) read from and written to `path` (None: in memory only), written atomically."""
+    """(sample hash, type) -> error, read from and written to `folder` (None: in memory only): one file
+    `<hash>.json` per sampled tensor, read when first asked for, written atomically by save(). `inputs`: the
+    files the run reads (paths.Input), which a cache file never replaces."""
 
-    def __init__(self, path: Path | None, note: Callable[[str], None] = lambda s: None):
-        self.path, self.entries, self.hits, self.misses = path, {}, 0, 0
-        if path is not None and path.is_file():
-            try:
-                doc = json.loads(path.read_text(encoding="utf-8"))
-                if doc.get("version") == MEASURE_VERSION:
-                    self.entries = {str(k): float(v) for k, v in doc["errors"].items()}
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-                note(f"{path}: unreadable error cache ({e}); measuring again")
+    def __init__(self, folder: Path | None, note: Callable[[str], None] = lambda s: None, inputs=()):
+        self.folder, self.note, self.inputs = folder, note, tuple(inputs)
+        self.loaded: dict[str, dict[str, float]] = {}       # digest -> {type name: error}
+        self.new: set[str] = set()                          # digests with an error measured by this run
+        self.hits = self.misses = 0
 
-    def get(self, key: str, compute: Callable[[], float]) -> float:
-        if key in self.entries:
+    def file(self, digest: str) -> Path:
+        return self.folder / f"{digest}.json"
+
+    def _entries(self, digest: str) -> dict[str, float]:
+        if digest not in self.loaded:
+            self.loaded[digest] = self._read(digest) if self.folder is not None else {}
+        return self.loaded[digest]
+
+    def _read(self, digest: str) -> dict[str, float]:
+        path = self.file(digest)
+        try:
+            doc = json.loads(path.read_text(encoding="utf-8"))
+            if doc.get("version") != MEASURE_VERSION:
+                return {}
+            return {str(k): float(v) for k, v in doc["errors"].items()}
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            self.note(f"{path}: unreadable error cache ({e}); measuring again")
+            return {}
+
+    def has(self, digest: str, qtype: QT) -> bool:
+        return qtype.name in self._entries(digest)
+
+    def get(self, digest: str, qtype: QT, compute: Callable[[], float]) -> float:
+        entries = self._entries(digest)
+        if qtype.name in entries:
             self.hits += 1
-            return self.entries[key]
+            return entries[qtype.name]
         self.misses += 1
-        self.entries[key] = value = float(compute())
+        entries[qtype.name] = value = float(compute())
+        self.new.add(digest)
         return value
 
-    def save(self, note: Callable[[str], None] = lambda s: None) -> None:
-        """Under a temporary name, then renamed; a cache that cannot be written is said, not an error."""
-        if self.path is None or not self.misses:
+    def save(self, note: Callable[[str], None] | None = None) -> None:
+        """Each file with a new error: merged with the file as it is now (another run may have added to it),
+        written under a temporary name in the cache folder, then renamed; a cache that cannot be written is
+        said, not an error (the next run measures again)."""
+        note = note or self.note
+        if self.folder is None or not self.new:
             return
-        tmp = self.path.with_name(f".{self.path.name}.partial-{os.getpid()}")
+        from ...paths import Output, OverlapError, refuse_overlap
         try:
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump({"version": MEASURE_VERSION, "errors": dict(sorted(self.entries.items()))}, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
+            self.folder.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            note(f"{self.path}: cannot write the error cache ({e.strerror or e}); the next run measures again")
-        finally:
-            tmp.unlink(missing_ok=True)
+            note(f"{self.folder}: cannot make the error cache folder ({e.strerror or e}); the next run measures "
+                 f"again")
+            return
+        for digest in sorted(self.new):
+            path = self.file(digest)
+            try:
+                refuse_overlap(self.inputs, [Output(path, "error cache")])
+            except OverlapError as e:
+                note(f"{e}; not cached")
+                continue
+            entries = {**self._read(digest), **self.loaded[digest]}
+            tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
+            try:
+                with open(tmp, "w", encoding="utf-8") as f:
+                    json.dump({"version": MEASURE_VERSION, "errors": dict(sorted(entries.items()))}, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+            except OSError as e:
+                note(f"{path}: cannot write the error cache ({e.strerror or e}); the next run measures again")
+                return
+            finally:
+                tmp.unlink(missing_ok=True)
+        self.new.clear()
 
 
 def sampled_rows(name: str, shape: tuple[int, ...]) -> list[tuple[int, list[int]]]:
@@ -142,14 +199,13 @@ def unit_errors(unit: Unit, read_rows: RowReader, vectors: Callable[[str], np.nd
         weights = np.ones(len(samples)) if weight is None else np.asarray(weight, np.float64)
         rows_per_matrix = int(np.prod(d.shape[:-1], dtype=np.int64)) // len(samples)
         digest = _digest(d.name, samples, weights)
-        todo = [qt for qt in unit.candidates if qt != d.source and f"{digest}:{qt.name}" not in cache.entries]
+        todo = [qt for qt in unit.candidates if qt != d.source and not cache.has(digest, qt)]
         if todo:
             x = [dequantize(stored, d.source, threads=1) for stored, _ in samples]
             measured = dict(zip(todo, _pool(threads).map(lambda qt: _matrix_errors(x, samples, qt), todo)))
         for qt in unit.candidates:
             if qt != d.source:
-                errors[qt] += cache.get(f"{digest}:{qt.name}",
-                                        lambda qt=qt: float(measured[qt] @ weights) * rows_per_matrix)
+                errors[qt] += cache.get(digest, qt, lambda qt=qt: float(measured[qt] @ weights) * rows_per_matrix)
     return errors
 
 
