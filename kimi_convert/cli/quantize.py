@@ -80,6 +80,14 @@ def quantize(
                                                "(--policy CHOSEN.toml makes the same file)"),
     imatrix: Optional[Path] = typer.Option(None, "--imatrix", readable=False, metavar="FILE",
                                            help="llama-imatrix file (GGUF or .dat)"),
+    sensitivity: str = typer.Option("weights", "--sensitivity", metavar="weights|kld",
+                                    help="with a budget: what a decision's cost per type is: the imatrix-weighted "
+                                    "weight error (default), or the output's KL divergence measured end to end "
+                                    "with the decision alone quantized (needs --sensitivity-text; torch)"),
+    sensitivity_text: Optional[Path] = typer.Option(None, "--sensitivity-text", readable=False, metavar="TEXT",
+                                                    help="the text --sensitivity kld runs (chunks of 128 tokens)"),
+    sensitivity_chunks: int = typer.Option(16, "--sensitivity-chunks", metavar="N",
+                                           help="chunks of 128 tokens --sensitivity kld runs (default 16)"),
     tensor_type: List[str] = typer.Option([], "--tensor-type", metavar="RE=TYPE",
                                           help="llama-quantize override, tried before the policy's rules"),
     tensor_type_file: List[Path] = typer.Option([], "--tensor-type-file", readable=False, metavar="F",
@@ -114,7 +122,7 @@ def quantize(
       128+N  ended by signal N; nothing written
     """
     from ..gguf_io import check_split_max_size, open_gguf, output_lock, written_paths
-    from ..paths import Report, refuse_overlap, report_output
+    from ..paths import Input, Report, refuse_overlap, report_output
     from ..quant.driver import plan_file, quantize_file, run_inputs
     started, result = time.time(), None
     if policy is None and target_size is None and target_bpw is None:
@@ -133,10 +141,12 @@ def quantize(
                 check_split_max_size(max_size, split_max_size)
             check_count(threads, "--threads", 0, MAX_THREADS, "one OS thread each; 0 is all cores")
             target = target_options(target_size, target_bpw, gpu_budget, emit_policy, imatrix, policy)
+            check_sensitivity(sensitivity, sensitivity_text, sensitivity_chunks, target)
             pol, imat = load_policy_options(policy, tensor_type, tensor_type_file, imatrix,
                                             allow_requantize=allow_requantize, plan_only=explain or dry_run,
                                             base=target is not None)
-            inputs = run_inputs(src, pol, imat)
+            inputs = run_inputs(src, pol, imat) + ([Input(sensitivity_text, "--sensitivity-text")]
+                                                   if sensitivity_text else [])
             refuse_overlap(inputs, [*(written_paths(out) if out is not None else []),
                                     *([report_output(json_file)] if json_file else []),
                                     *(target.outputs() if target else [])])
@@ -149,8 +159,9 @@ def quantize(
             gf = open_gguf(src)
             choice = None
             if target is not None:
+                costs = kld_costs(src, imat, sensitivity_text, sensitivity_chunks) if sensitivity == "kld" else None
                 choice = choose_types(gf, pol, imat, target, allow_requantize=allow_requantize, threads=threads,
-                                      inputs=inputs)
+                                      inputs=inputs, sensitivity=costs)
                 pol = choice.policy
             plan = plan_file(gf, pol, allow_requantize=allow_requantize, strict=strict, imatrix=imat is not None)
             report_decisions(plan, imat)
@@ -188,13 +199,43 @@ def quantize(
                   f"in {result.seconds:.1f} s", highlight=False)
 
 
-def choose_types(gf, base, imat, target, *, allow_requantize: bool, threads: int, inputs):
+def choose_types(gf, base, imat, target, *, allow_requantize: bool, threads: int, inputs, sensitivity=None):
     from ..quant.blocks import default_threads
     from ..quant.target.choose import choose
     from ..quant.target.measure import error_cache_dir
     return choose(gf, base, target.budget, imat, allow_requantize=allow_requantize, gpu_budget=target.gpu_budget,
                   threads=threads or default_threads(), cache_dir=error_cache_dir(), inputs=inputs,
-                  source=str(target.emit_policy or "the chosen policy"), note=note)
+                  source=str(target.emit_policy or "the chosen policy"), note=note, sensitivity=sensitivity)
+
+
+SENSITIVITY_CTX = 128
+
+
+def check_sensitivity(sensitivity: str, text: Optional[Path], chunks: int, target) -> None:
+    if sensitivity not in ("weights", "kld"):
+        raise KimiError(f"--sensitivity {sensitivity!r}: must be weights or kld")
+    if sensitivity == "kld" and target is None:
+        raise KimiError("--sensitivity kld chooses types for a budget: give --target-size or --target-bpw")
+    if sensitivity == "kld" and text is None:
+        raise KimiError("--sensitivity kld needs --sensitivity-text TEXT (the tokens it measures on)")
+    if sensitivity != "kld" and text is not None:
+        raise KimiError("--sensitivity-text is read by --sensitivity kld only")
+    check_count(chunks, "--sensitivity-chunks", 1, 1 << 16)
+
+
+def kld_costs(src: Path, imat, text: Path, chunks: int):
+    """Each decision's measured KL cost (quant.target.sensitivity), on the streamed engine (torch)."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise KimiError("--sensitivity kld runs the model on torch: pip install 'kimi-convert[engine]'") from None
+    from ..engine.tokens import chunk_tokens, model_tokenizer, text_tokens
+    from ..quant.target.sensitivity import KldCosts, Sensitivity, sensitivity_cache_dir
+    reading(text)
+    tok = model_tokenizer(src)
+    ids = chunk_tokens(text_tokens(text, tok), SENSITIVITY_CTX, chunks, tok.bos_id if tok.add_bos else None, text,
+                       "--sensitivity kld")
+    return KldCosts(Sensitivity(src, ids, imat, cache_dir=sensitivity_cache_dir(), note=note), text, note)
 
 
 def print_explain(plan, pol) -> None:

@@ -17,7 +17,10 @@ from .budget import Budget, BudgetError, check_feasible, decimal_size
 from .emit import Chosen, decided_why, policy_text
 from .measure import ErrorCache, RowReader, gguf_rows, token_shares, unit_errors
 from .solver import Point, Solution, lower_hull, lp_bound_two, solve
-from .units import ROUTED_EXPERTS, Decisions, held, split_decisions
+from .units import ROUTED_EXPERTS, Decisions, Unit, held, split_decisions
+
+# measured costs of the given types of each decision, replacing the weight errors (sensitivity.KldCosts)
+Costs = Callable[[tuple[Unit, ...], list], list]
 
 
 @dataclass
@@ -62,16 +65,19 @@ def check_decisions(plan: QuantPlan, weights: int, budget: Budget, imat, *, allo
 
 def choose(gf: GGUFFile, base: Policy, budget: Budget, imat, *, allow_requantize: bool = False,
            gpu_budget: int | None = None, threads: int = 1, cache_dir: Path | None = None, inputs=(),
-           source: str = "chosen policy", note: Callable[[str], None] = lambda s: None) -> Choice:
+           source: str = "chosen policy", note: Callable[[str], None] = lambda s: None,
+           sensitivity: "Costs | None" = None) -> Choice:
     """The chosen policy for GGUF file `gf` (kimi-quantize). `cache_dir`: the measurement cache's folder
     (measure.error_cache_dir(); None: measured errors are kept in memory only); `inputs`: the files the run
-    reads, which no cache file replaces."""
+    reads, which no cache file replaces; `sensitivity`: costs measured end to end (sensitivity.KldCosts)
+    instead of the weight errors."""
     decisions, budget_bytes = feasible_decisions(gf, base, budget, imat, allow_requantize=allow_requantize,
                                                  gpu_budget=gpu_budget)
     return choose_decided(decisions, budget_bytes, gguf_rows(gf), base, budget, imat,
                           allow_requantize=allow_requantize, gpu_budget=gpu_budget, threads=threads,
                           cache_dir=cache_dir, inputs=inputs, source=source, note=note,
-                          expert_share=expert_share(KimiConfig.from_gguf(gf.fields, gf.paths[0])))
+                          expert_share=expert_share(KimiConfig.from_gguf(gf.fields, gf.paths[0])),
+                          sensitivity=sensitivity)
 
 
 def expert_share(config: KimiConfig) -> float:
@@ -81,7 +87,8 @@ def expert_share(config: KimiConfig) -> float:
 
 def choose_decided(decisions: Decisions, budget_bytes: int, rows: RowReader, base: Policy, budget: Budget, imat, *,
                    allow_requantize: bool, gpu_budget: int | None, threads: int, cache_dir: Path | None,
-                   source: str, note: Callable[[str], None], expert_share: float, inputs=()) -> Choice:
+                   source: str, note: Callable[[str], None], expert_share: float, inputs=(),
+                   sensitivity: "Costs | None" = None) -> Choice:
     """Measure, solve and emit, for decisions checked by check_decisions; `rows` reads a tensor's stored rows
     (from a GGUF, or from the converter's producer in kimi-convert's one pass)."""
     cache = ErrorCache(cache_dir, note, inputs)
@@ -101,9 +108,15 @@ def choose_decided(decisions: Decisions, budget_bytes: int, rows: RowReader, bas
     cache.save(note)
     note(f"error measures: {cache.hits} from the cache, {cache.misses} measured"
          + (f" ({cache_dir})" if cache_dir is not None else " (not cached)"))
+    measure = None
+    if sensitivity is not None:       # the weight errors' hull types, re-costed by the output's divergence
+        types = [[p.qtype for p in lower_hull(h)] for h in points]
+        costs = sensitivity(decisions.units, types)
+        points = [[Point(t, u.nbytes(t), c[t]) for t in ts] for u, ts, c in zip(decisions.units, types, costs)]
+        measure = sensitivity.describe()
     solution = split_solve(decisions, points, budget_bytes, gpu_budget)
     return _choice(decisions, points, solution, budget, budget_bytes, source, base, allow_requantize,
-                   f"imatrix {getattr(imat, 'path', '?')}", expert_share)
+                   f"imatrix {getattr(imat, 'path', '?')}", expert_share, measure)
 
 
 def _dense(decisions: Decisions) -> Decisions:
@@ -142,7 +155,8 @@ def split_solve(decisions: Decisions, hulls: list, budget_bytes: int, gpu_budget
 
 
 def _choice(decisions: Decisions, hulls, solution: Solution, budget: Budget, budget_bytes: int, source: str,
-            base: Policy, allow_requantize: bool, imatrix: str, expert_share: float) -> Choice:
+            base: Policy, allow_requantize: bool, imatrix: str, expert_share: float,
+            measure: str | None = None) -> Choice:
     chosen: list[Chosen] = []
     lines = []
     for u, h, i in zip(decisions.units, hulls, solution.choice):
@@ -168,9 +182,10 @@ def _choice(decisions: Decisions, hulls, solution: Solution, budget: Budget, bud
               f"{len(decisions.units)} decisions",
               f"solver: {solution.describe()}; the gap is (error - lower bound) / lower bound, the most this "
               f"choice's error can exceed the least any choice within the budget makes",
-              f"base: {base.source}; error measure: imatrix-weighted relative error on sampled rows, each "
+              f"base: {base.source}; error measure: " + (measure or
+              f"imatrix-weighted relative error on sampled rows, each "
               f"matrix weighted by its rows and its share of the tokens (a routed expert's: its imatrix count "
-              f"over a dense tensor's, else {expert_share:.4g})"]
+              f"over a dense tensor's, else {expert_share:.4g})")]
     text = policy_text(chosen, header)
     policy = replace(parse_policy(text, source), inputs=base.inputs)
     return Choice(policy, text, budget_bytes, nbytes, decisions.floor(), decisions.ceiling(), lines, solution)

@@ -1,0 +1,211 @@
+"""The quality table: every shipped preset, llama-quantize's mixtures, uniform expert types and --target-size
+budgets, on the trained K3 (or K3.1) fixture, by their KL divergence from the checkpoint (kimi-verify kld).
+
+    python benchmarks/bench_quality.py [--arch k3|k31] [--chunks 32] [--budgets 7] [--out docs/quality]
+
+1. The trained fixture (kimi_convert.fixtures.trained) is written and converted (BF16, MXFP4 experts kept).
+2. Its imatrix: kimi-imatrix on the training text (--ctx 128).
+3. The base: kimi-verify kld HF --save-base, on the held-out text (--ctx 128, --chunks N).
+4. Every file below made by kimi-quantize (the mixtures are llama-quantize's, byte for byte), measured against
+   the base: bytes, mean KLD with 2 standard errors (of the chunk means: tokens of a chunk are not
+   independent), top-1 agreement, PPL ratio.
+5. Checks printed at the end: every --target-size file against every file of at most its bytes (paired by
+   chunk: the difference of chunk means, 2 standard errors), and the budgets' KLD against the smaller budgets'.
+
+Writes OUT/quality-ARCH.md (the table), OUT/quality-ARCH.json (every number) and OUT/quality-ARCH.png (size
+against KLD). Everything else goes to a temporary folder.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from png_plot import Series, scatter_png  # noqa: E402
+
+CTX = 128
+MIXTURES = ["Q4_K_M", "Q3_K_M", "Q2_K", "IQ2_M", "IQ2_XXS", "IQ1_M", "IQ1_S", "MXFP4_MOE"]
+EXPERT_TYPES = ["Q4_K", "IQ4_XS", "Q3_K", "IQ3_S", "IQ3_XXS", "Q2_K", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S"]
+
+
+@dataclass
+class Row:
+    name: str
+    family: str
+    nbytes: int
+    kld: float = math.nan
+    kld_2se: float = math.nan
+    top1: float = math.nan
+    ppl_ratio: float = math.nan
+    chunk_kld: list = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def sh(*args, cwd=None) -> subprocess.CompletedProcess:
+    p = subprocess.run([str(a) for a in args], capture_output=True, text=True, cwd=cwd)
+    if p.returncode != 0:
+        raise SystemExit(f"failed: {' '.join(map(str, args))}\n{p.stderr[-2000:]}")
+    return p
+
+
+def uniform_experts(qtype: str) -> str:
+    return (f'description = "routed experts {qtype}, everything else as converted"\n'
+            f'default = "keep"\n[[rules]]\npattern = "ffn_(gate|up|down)_exps"\ntype = "{qtype}"\n')
+
+
+def make(work: Path, gguf: Path, imatrix: Path, name: str, args: list) -> Path:
+    out = work / f"{name}.gguf"
+    sh("kimi-quantize", *args, "--imatrix", imatrix, "--allow-requantize", "--threads", 2, gguf, out)
+    return out
+
+
+def measure(row: Row, base: Path, gguf: Path) -> Row:
+    from kimi_convert.kld.job import KldOptions, KldRun
+    t0 = time.time()
+    r = KldRun(KldOptions(base, gguf)).run()
+    s = r.summary
+    chunks = np.array(s["chunk_kld"])
+    row.kld, row.top1, row.ppl_ratio = s["kld_mean"], s["same_top"], s["ppl_ratio"]
+    row.kld_2se = 2 * chunks.std(ddof=1) / math.sqrt(len(chunks))
+    row.chunk_kld, row.seconds = chunks.tolist(), time.time() - t0
+    return row
+
+
+def paired(a: Row, b: Row) -> tuple[float, float]:
+    """mean and 2 standard errors of a's chunk KLD minus b's."""
+    d = np.array(a.chunk_kld) - np.array(b.chunk_kld)
+    return float(d.mean()), float(2 * d.std(ddof=1) / math.sqrt(len(d)))
+
+
+def presets() -> list[str]:
+    from kimi_convert.quant.policy import preset_names
+    return preset_names()
+
+
+def build(arch: str, chunks: int, n_budgets: int, work: Path, log) -> tuple[list[Row], dict]:
+    from kimi_convert.fixtures import trained
+    hf = trained.write(work / "hf", arch)
+    gguf = work / "model.gguf"
+    sh("kimi-convert", hf, gguf)
+    (work / "train.txt").write_text(trained.read_text("train"))
+    (work / "heldout.txt").write_text(trained.read_text("heldout"))
+    imatrix = work / "imatrix.gguf"
+    sh("kimi-imatrix", hf, "-f", work / "train.txt", "-o", imatrix, "--ctx", CTX, "--chunks", 64)
+    base = work / "base.kld"
+    sh("kimi-verify", "kld", hf, "--save-base", base, "-f", work / "heldout.txt", "--ctx", CTX, "--chunks", chunks)
+    rows = [measure(Row("as converted (BF16, MXFP4 experts)", "source", gguf.stat().st_size), base, gguf)]
+    todo = [(p, "preset", ["--policy", p]) for p in presets()]
+    todo += [(m, "llama-quantize mixture", ["--policy", m]) for m in MIXTURES]
+    for t in EXPERT_TYPES:
+        pol = work / f"experts-{t}.toml"
+        pol.write_text(uniform_experts(t))
+        todo.append((f"experts {t}", "uniform experts", ["--policy", pol]))
+    for name, family, args in todo:
+        out = make(work, gguf, imatrix, name.replace(" ", "-"), args)
+        rows.append(measure(Row(name, family, out.stat().st_size), base, out))
+        log(f"{name:40s} {rows[-1].nbytes:>12,} B  KLD {rows[-1].kld:.5f} ± {rows[-1].kld_2se:.5f}  "
+            f"top-1 {100 * rows[-1].top1:.2f}%  ({rows[-1].seconds:.0f} s)")
+    floor = target_floor(gguf, imatrix)
+    top = max(r.nbytes for r in rows if r.family == "preset")
+    for b in np.linspace(floor, top, n_budgets):
+        budget = int(b)
+        out = make(work, gguf, imatrix, f"target-{budget}", ["--target-size", str(budget)])
+        rows.append(measure(Row(f"--target-size {budget:,}", "--target-size", out.stat().st_size), base, out))
+        log(f"{rows[-1].name:40s} {rows[-1].nbytes:>12,} B  KLD {rows[-1].kld:.5f} ± {rows[-1].kld_2se:.5f}")
+    return rows, {"floor": floor, "largest_preset": top}
+
+
+def target_floor(gguf: Path, imatrix: Path) -> int:
+    """The smallest file --target-size can make (its dry run says so when asked for less)."""
+    p = subprocess.run(["kimi-quantize", "--target-size", "1", "--imatrix", str(imatrix), "--allow-requantize",
+                        "--dry-run", str(gguf), str(gguf.with_suffix(".none.gguf"))], capture_output=True, text=True)
+    import re
+    m = re.search(r"smallest file these types make, [^(]*\(([\d,]+) bytes\)", p.stderr + p.stdout)
+    if not m:
+        raise SystemExit(f"no floor in the refusal:\n{p.stderr[-1500:]}")
+    return int(m[1].replace(",", "")) + 1
+
+
+def checks(rows: list[Row]) -> list[str]:
+    out = []
+    targets = sorted((r for r in rows if r.family == "--target-size"), key=lambda r: r.nbytes)
+    for t in targets:
+        for r in rows:
+            if r.family in ("--target-size", "source") or r.nbytes > t.nbytes:
+                continue
+            d, se = paired(t, r)
+            verdict = "better" if d < -se else "within noise" if d <= se else "WORSE"
+            out.append(f"{t.name} ({t.nbytes:,} B) vs {r.name} ({r.nbytes:,} B): KLD {d:+.5f} ± {se:.5f}: {verdict}")
+    for a, b in zip(targets, targets[1:]):
+        d, se = paired(b, a)
+        out.append(f"{b.name} vs the smaller {a.name}: KLD {d:+.5f} ± {se:.5f}: "
+                   + ("falls" if d < -se else "within noise" if d <= se else "RISES"))
+    return out
+
+
+def table(rows: list[Row], arch: str, meta: dict) -> str:
+    n_weights = meta.get("n_weights")
+    lines = [f"| file ({arch}) | family | bytes | bpw | mean KLD ± 2 SE | top-1 | PPL ratio |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for r in sorted(rows, key=lambda r: r.nbytes):
+        bpw = f"{8 * r.nbytes / n_weights:.2f}" if n_weights else ""
+        lines.append(f"| {r.name} | {r.family} | {r.nbytes:,} | {bpw} | {r.kld:.5f} ± {r.kld_2se:.5f} | "
+                     f"{100 * r.top1:.2f}% | {r.ppl_ratio:.4f} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[Row], path: Path, arch: str) -> None:
+    fams = {}
+    for r in rows:
+        if r.family != "source":
+            fams.setdefault(r.family, []).append(r)
+    series = [Series(f.upper(), [(r.nbytes / 1e6, r.kld, r.kld_2se, _short(r)) for r in rs],
+                     line=f == "--target-size") for f, rs in fams.items()]
+    scatter_png(path, series, f"TRAINED {arch.upper()} FIXTURE: FILE SIZE AGAINST MEAN KLD (2 SE BARS)",
+                "FILE SIZE (MB)", "MEAN KLD (NATS)")
+
+
+def _short(r: Row) -> str:
+    if r.family == "--target-size":
+        return ""
+    return r.name.replace("experts ", "E:").upper()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", default="k3", choices=["k3", "k31"])
+    ap.add_argument("--chunks", type=int, default=32, help="held-out chunks of 128 tokens")
+    ap.add_argument("--budgets", type=int, default=7)
+    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "quality")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    with tempfile.TemporaryDirectory(prefix="bench-quality-") as tmp:
+        rows, meta = build(args.arch, args.chunks, args.budgets, Path(tmp), lambda s: print(s, flush=True))
+        from kimi_convert.engine.weights import open_source
+        src = open_source(Path(tmp) / "model.gguf")
+        meta["n_weights"] = sum(int(np.prod(src.shape(n))) for n in src.names())
+    found = checks(rows)
+    md = table(rows, args.arch, meta)
+    (args.out / f"quality-{args.arch}.md").write_text(md + "\n\n" + "\n".join(f"- {c}" for c in found) + "\n")
+    (args.out / f"quality-{args.arch}.json").write_text(json.dumps(
+        {"meta": meta, "chunks": args.chunks, "ctx": CTX, "rows": [r.__dict__ for r in rows]}, indent=1))
+    plot(rows, args.out / f"quality-{args.arch}.png", args.arch)
+    print(md)
+    print("\n".join(found))
+    print(f"{len(rows)} files measured in {time.time() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
