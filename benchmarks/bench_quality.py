@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from png_plot import Series, scatter_png  # noqa: E402
 
 CTX = 128
+SENSITIVITY_CHUNKS = 8          # chunks of 128 training-text tokens --sensitivity kld measures on
 MIXTURES = ["Q4_K_M", "Q3_K_M", "Q2_K", "IQ2_M", "IQ2_XXS", "IQ1_M", "IQ1_S", "MXFP4_MOE"]
 EXPERT_TYPES = ["Q4_K", "IQ4_XS", "Q3_K", "IQ3_S", "IQ3_XXS", "Q2_K", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S"]
 
@@ -65,12 +66,16 @@ def uniform_experts(qtype: str) -> str:
 
 def make(work: Path, gguf: Path, imatrix: Path, name: str, args: list) -> Path:
     out = work / f"{name}.gguf"
-    sh("kimi-quantize", *args, "--imatrix", imatrix, "--allow-requantize", "--threads", 2, gguf, out)
+    if not out.is_file():           # a --work folder keeps what an earlier run made
+        sh("kimi-quantize", *args, "--imatrix", imatrix, "--allow-requantize", "--threads", 2, gguf, out)
     return out
 
 
 def measure(row: Row, base: Path, gguf: Path) -> Row:
     from kimi_convert.kld.job import KldOptions, KldRun
+    cached = gguf.with_suffix(".row.json")
+    if cached.is_file() and cached.stat().st_mtime >= gguf.stat().st_mtime:
+        return Row(**json.loads(cached.read_text()))
     t0 = time.time()
     r = KldRun(KldOptions(base, gguf)).run()
     s = r.summary
@@ -78,6 +83,7 @@ def measure(row: Row, base: Path, gguf: Path) -> Row:
     row.kld, row.top1, row.ppl_ratio = s["kld_mean"], s["same_top"], s["ppl_ratio"]
     row.kld_2se = 2 * chunks.std(ddof=1) / math.sqrt(len(chunks))
     row.chunk_kld, row.seconds = chunks.tolist(), time.time() - t0
+    cached.write_text(json.dumps(row.__dict__))
     return row
 
 
@@ -92,17 +98,20 @@ def presets() -> list[str]:
     return preset_names()
 
 
-def build(arch: str, chunks: int, n_budgets: int, work: Path, log) -> tuple[list[Row], dict]:
+def build(arch: str, chunks: int, n_budgets: int, work: Path, log, prior: dict | None = None
+          ) -> tuple[list[Row], dict]:
+    """`prior`: rows of an earlier run's JSON (same fixture, text and chunks: the same base), taken as they are."""
+    prior = prior or {}
     from kimi_convert.fixtures import trained
-    hf = trained.write(work / "hf", arch)
-    gguf = work / "model.gguf"
-    sh("kimi-convert", hf, gguf)
-    (work / "train.txt").write_text(trained.read_text("train"))
-    (work / "heldout.txt").write_text(trained.read_text("heldout"))
-    imatrix = work / "imatrix.gguf"
-    sh("kimi-imatrix", hf, "-f", work / "train.txt", "-o", imatrix, "--ctx", CTX, "--chunks", 64)
-    base = work / "base.kld"
-    sh("kimi-verify", "kld", hf, "--save-base", base, "-f", work / "heldout.txt", "--ctx", CTX, "--chunks", chunks)
+    hf, gguf, imatrix, base = work / "hf", work / "model.gguf", work / "imatrix.gguf", work / "base.kld"
+    if not base.is_file():
+        trained.write(hf, arch)
+        sh("kimi-convert", hf, gguf, "--force")
+        (work / "train.txt").write_text(trained.read_text("train"))
+        (work / "heldout.txt").write_text(trained.read_text("heldout"))
+        sh("kimi-imatrix", hf, "-f", work / "train.txt", "-o", imatrix, "--ctx", CTX, "--chunks", 64, "--force")
+        sh("kimi-verify", "kld", hf, "--save-base", base, "-f", work / "heldout.txt", "--ctx", CTX, "--chunks",
+           chunks, "--force")
     rows = [measure(Row("as converted (BF16, MXFP4 experts)", "source", gguf.stat().st_size), base, gguf)]
     todo = [(p, "preset", ["--policy", p]) for p in presets()]
     todo += [(m, "llama-quantize mixture", ["--policy", m]) for m in MIXTURES]
@@ -111,45 +120,104 @@ def build(arch: str, chunks: int, n_budgets: int, work: Path, log) -> tuple[list
         pol.write_text(uniform_experts(t))
         todo.append((f"experts {t}", "uniform experts", ["--policy", pol]))
     for name, family, args in todo:
+        if name in prior:
+            rows.append(prior[name])
+            continue
         out = make(work, gguf, imatrix, name.replace(" ", "-"), args)
         rows.append(measure(Row(name, family, out.stat().st_size), base, out))
         log(f"{name:40s} {rows[-1].nbytes:>12,} B  KLD {rows[-1].kld:.5f} ± {rows[-1].kld_2se:.5f}  "
             f"top-1 {100 * rows[-1].top1:.2f}%  ({rows[-1].seconds:.0f} s)")
-    floor = target_floor(gguf, imatrix)
-    top = max(r.nbytes for r in rows if r.family == "preset")
+    floor, ceiling = target_range(gguf, imatrix)
+    top = min(max(r.nbytes for r in rows if r.family == "preset"), ceiling)     # the largest preset, if it can
+    sens = ["--sensitivity", "kld", "--sensitivity-text", work / "train.txt", "--sensitivity-chunks",
+            SENSITIVITY_CHUNKS]
     for b in np.linspace(floor, top, n_budgets):
         budget = int(b)
-        out = make(work, gguf, imatrix, f"target-{budget}", ["--target-size", str(budget)])
-        rows.append(measure(Row(f"--target-size {budget:,}", "--target-size", out.stat().st_size), base, out))
-        log(f"{rows[-1].name:40s} {rows[-1].nbytes:>12,} B  KLD {rows[-1].kld:.5f} ± {rows[-1].kld_2se:.5f}")
-    return rows, {"floor": floor, "largest_preset": top}
+        for family, extra in (("--target-size", []), ("--target-size --sensitivity kld", sens)):
+            if f"{family} {budget:,}" in prior:
+                rows.append(prior[f"{family} {budget:,}"])
+                continue
+            tag = "kld-" if extra else ""
+            out = make(work, gguf, imatrix, f"target-{tag}{budget}", ["--target-size", str(budget), *extra])
+            rows.append(measure(Row(f"{family} {budget:,}", family, out.stat().st_size), base, out))
+            log(f"{rows[-1].name:60s} {rows[-1].nbytes:>12,} B  KLD {rows[-1].kld:.5f} ± {rows[-1].kld_2se:.5f}")
+    return rows, {"floor": floor, "ceiling": ceiling, "top_budget": top, "correlation": correlation(gguf, imatrix, work, log)}
 
 
-def target_floor(gguf: Path, imatrix: Path) -> int:
-    """The smallest file --target-size can make (its dry run says so when asked for less)."""
+def correlation(gguf: Path, imatrix: Path, work: Path, log) -> dict:
+    """Each decision quantized alone to two or three types: its weight error (measure.py) against the KL
+    divergence it causes (sensitivity.py), over every (decision, type); Spearman's rank correlation."""
+    from gguf import GGMLQuantizationType as QT
+    from kimi_convert.engine.tokens import chunk_tokens, model_tokenizer, text_tokens
+    from kimi_convert.gguf_io import open_gguf
+    from kimi_convert.quant.driver import plan_file
+    from kimi_convert.quant.imatrix import load_imatrix
+    from kimi_convert.quant.target.choose import expert_share, no_base
+    from kimi_convert.quant.target.measure import ErrorCache, gguf_rows, token_shares, unit_errors
+    from kimi_convert.quant.target.sensitivity import Sensitivity, sensitivity_cache_dir
+    from kimi_convert.quant.target.units import split_decisions
+    from kimi_convert.model import KimiConfig
+    imat, gf = load_imatrix(imatrix), open_gguf(gguf)
+    plan = plan_file(gf, no_base(), allow_requantize=True, imatrix=True)
+    units = split_decisions(plan, lambda d: imat.has_vector(d.name, d.shape), allow_requantize=True).units
+    tok = model_tokenizer(gguf)
+    ids = chunk_tokens(text_tokens(work / "train.txt", tok), CTX, SENSITIVITY_CHUNKS, None, work / "train.txt")
+    sens = Sensitivity(gguf, ids, imat, cache_dir=sensitivity_cache_dir())
+    shares = token_shares(imat, expert_share(KimiConfig.from_gguf(gf.fields, gf.paths[0])))
+    vec = lambda name: next(imat.vector(d.name, d.shape) for u in units for d in u.decisions if d.name == name)
+    pairs = []
+    for u in units:
+        types = [t for t in (QT.Q4_K, QT.Q2_K, QT.IQ2_XXS, QT.IQ1_S) if t in u.candidates][:3]
+        if not types:
+            continue
+        errors = unit_errors(u, gguf_rows(gf), vec, ErrorCache(None), 2, shares)
+        klds = sens.costs(u, types)
+        pairs += [(u.key, t.name, errors[t], klds[t]) for t in types]
+    w = np.array([p[2] for p in pairs])
+    k = np.array([p[3] for p in pairs])
+    rank = lambda x: np.argsort(np.argsort(x)).astype(float)
+    rho = float(np.corrcoef(rank(w), rank(k))[0, 1])
+    experts = [i for i, p in enumerate(pairs) if "_exps" in p[0]]
+    rho_e = float(np.corrcoef(rank(w[experts]), rank(k[experts]))[0, 1]) if len(experts) > 2 else math.nan
+    log(f"weight error against KLD: Spearman {rho:.3f} over {len(pairs)} (decision, type) pairs; "
+        f"routed experts alone {rho_e:.3f}")
+    return {"spearman": rho, "spearman_experts": rho_e, "pairs": pairs}
+
+
+def target_range(gguf: Path, imatrix: Path) -> tuple[int, int]:
+    """The smallest and the largest file --target-size makes (its refusal of a 1-byte budget says both)."""
     p = subprocess.run(["kimi-quantize", "--target-size", "1", "--imatrix", str(imatrix), "--allow-requantize",
                         "--dry-run", str(gguf), str(gguf.with_suffix(".none.gguf"))], capture_output=True, text=True)
     import re
-    m = re.search(r"smallest file these types make, [^(]*\(([\d,]+) bytes\)", p.stderr + p.stdout)
-    if not m:
-        raise SystemExit(f"no floor in the refusal:\n{p.stderr[-1500:]}")
-    return int(m[1].replace(",", "")) + 1
+    lo = re.search(r"smallest file these types make, [^(]*\(([\d,]+) bytes\)", p.stderr + p.stdout)
+    hi = re.search(r"largest worth making is [^(]*\(([\d,]+) bytes\)", p.stderr + p.stdout)
+    if not (lo and hi):
+        raise SystemExit(f"no floor or ceiling in the refusal:\n{p.stderr[-1500:]}")
+    return int(lo[1].replace(",", "")) + 1, int(hi[1].replace(",", ""))
 
 
 def checks(rows: list[Row]) -> list[str]:
     out = []
-    targets = sorted((r for r in rows if r.family == "--target-size"), key=lambda r: r.nbytes)
-    for t in targets:
-        for r in rows:
-            if r.family in ("--target-size", "source") or r.nbytes > t.nbytes:
-                continue
-            d, se = paired(t, r)
-            verdict = "better" if d < -se else "within noise" if d <= se else "WORSE"
-            out.append(f"{t.name} ({t.nbytes:,} B) vs {r.name} ({r.nbytes:,} B): KLD {d:+.5f} ± {se:.5f}: {verdict}")
-    for a, b in zip(targets, targets[1:]):
-        d, se = paired(b, a)
-        out.append(f"{b.name} vs the smaller {a.name}: KLD {d:+.5f} ± {se:.5f}: "
-                   + ("falls" if d < -se else "within noise" if d <= se else "RISES"))
+    for family in sorted({r.family for r in rows if r.family.startswith("--target-size")}):
+        targets = sorted((r for r in rows if r.family == family), key=lambda r: r.nbytes)
+        for t in targets:
+            for r in rows:
+                if r.family.startswith("--target-size") or r.family == "source" or r.nbytes > t.nbytes:
+                    continue
+                d, se = paired(t, r)
+                verdict = "better" if d < -se else "within noise" if d <= se else "WORSE"
+                out.append(f"{t.name} ({t.nbytes:,} B) vs {r.name} ({r.nbytes:,} B): KLD {d:+.5f} ± {se:.5f}: "
+                           f"{verdict}")
+        for a, b in zip(targets, targets[1:]):
+            d, se = paired(b, a)
+            out.append(f"{b.name} vs the smaller {a.name}: KLD {d:+.5f} ± {se:.5f}: "
+                       + ("falls" if d < -se else "within noise" if d <= se else "RISES"))
+    weights = sorted((r for r in rows if r.family == "--target-size"), key=lambda r: r.nbytes)
+    measured = sorted((r for r in rows if r.family == "--target-size --sensitivity kld"), key=lambda r: r.nbytes)
+    for w, k in zip(weights, measured):
+        d, se = paired(k, w)
+        out.append(f"at {w.name.split()[-1]}: --sensitivity kld against the weight errors: KLD {d:+.5f} ± {se:.5f}: "
+                   + ("better" if d < -se else "within noise" if d <= se else "WORSE"))
     return out
 
 
@@ -170,13 +238,13 @@ def plot(rows: list[Row], path: Path, arch: str) -> None:
         if r.family != "source":
             fams.setdefault(r.family, []).append(r)
     series = [Series(f.upper(), [(r.nbytes / 1e6, r.kld, r.kld_2se, _short(r)) for r in rs],
-                     line=f == "--target-size") for f, rs in fams.items()]
+                     line=f.startswith("--target-size")) for f, rs in fams.items()]
     scatter_png(path, series, f"TRAINED {arch.upper()} FIXTURE: FILE SIZE AGAINST MEAN KLD (2 SE BARS)",
                 "FILE SIZE (MB)", "MEAN KLD (NATS)")
 
 
 def _short(r: Row) -> str:
-    if r.family == "--target-size":
+    if r.family.startswith("--target-size"):
         return ""
     return r.name.replace("experts ", "E:").upper()
 
@@ -187,11 +255,18 @@ def main() -> int:
     ap.add_argument("--chunks", type=int, default=32, help="held-out chunks of 128 tokens")
     ap.add_argument("--budgets", type=int, default=7)
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "quality")
+    ap.add_argument("--work", type=Path, default=None, help="keep the files here (a rerun reuses them)")
+    ap.add_argument("--rows-from", type=Path, default=None, help="take the rows of this earlier JSON as measured")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="bench-quality-") as tmp:
-        rows, meta = build(args.arch, args.chunks, args.budgets, Path(tmp), lambda s: print(s, flush=True))
+        tmp = args.work or Path(tmp)
+        tmp.mkdir(parents=True, exist_ok=True)
+        prior = {}
+        if args.rows_from:
+            prior = {r["name"]: Row(**r) for r in json.loads(args.rows_from.read_text())["rows"]}
+        rows, meta = build(args.arch, args.chunks, args.budgets, tmp, lambda s: print(s, flush=True), prior)
         from kimi_convert.engine.weights import open_source
         src = open_source(Path(tmp) / "model.gguf")
         meta["n_weights"] = sum(int(np.prod(src.shape(n))) for n in src.names())

@@ -103,15 +103,9 @@ class KimiConfig:
     # --- from HF ---
     @classmethod
     def from_hf_dir(cls, hf_dir: Path) -> "KimiConfig":
-        from .convert.checkpoint import read_input      # regular files only, opened without blocking
+        from .inputs import read_json        # a regular file only, opened without blocking
         path = Path(hf_dir) / "config.json"
-        text = read_input(path, MAX_CONFIG_BYTES, ConfigError)
-        try:
-            raw = json.loads(text)
-        except RecursionError:
-            raise ConfigError(f"{path}: not valid JSON (nested too deeply)") from None
-        except ValueError as e:     # json.JSONDecodeError, an integer of over 4300 digits
-            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        raw = read_json(path, MAX_CONFIG_BYTES, ConfigError)
         return cls.from_hf(raw, source=str(path))
 
     @classmethod
@@ -511,8 +505,3 @@ def _from_gguf(f: dict[str, Any], source: str = "") -> KimiConfig:
         attn_res_block_size=g.int(Key.ATTN_RES_BLOCK_SIZE, least=0),      # 0: a plain pre-norm residual
         full_attn_layers=full, indexer=indexer,
     )
-
-
-def a_log_padded_length(n_head: int) -> int:
-    """Real checkpoints pad A_log to a multiple of 128 (96 -> 128)."""
-    return math.ceil(n_head / 128) * 128

@@ -54,6 +54,7 @@ def quantized(request):
 # ------------------------------------------------------------------------------------
 # quantized weights, against the compiled kernels
 
+@pytest.mark.interop
 def test_vec_dot_is_ggmls(quantized):
     """One row at a time (mul_mat_id rows, a single token): the type's from_float and vec_dot."""
     qtype, raw, x = quantized
@@ -64,6 +65,7 @@ def test_vec_dot_is_ggmls(quantized):
     assert not np.array_equal(ours, f64_product(x, w))
 
 
+@pytest.mark.interop
 @pytest.mark.parametrize("n_tok", [10, 5, 1])
 def test_mul_mat_is_ggmls(quantized, n_tok):
     """ggml_mul_mat on weights in ordinary memory: tinyBLAS_Q0 (32-blocks, >= 2 rows), the tiled kernel (K-quants,
@@ -76,6 +78,7 @@ def test_mul_mat_is_ggmls(quantized, n_tok):
     assert np.array_equal(ours, theirs), (path, np.abs(ours - theirs).max())
 
 
+@pytest.mark.interop
 @pytest.mark.parametrize("qtype", sorted(gq.REPACKED_TYPES), ids=lambda t: t.name)
 def test_repacked_gemm_and_gemv_are_ggmls(qtype):
     """The CPU_REPACK layouts: mul_mat of 10 rows = gemm for 8 (4-row quantizer) + gemv for 2; mul_mat_id: gemv.
@@ -94,6 +97,7 @@ def test_repacked_gemm_and_gemv_are_ggmls(qtype):
         assert not np.array_equal(gq.repacked_q4_k(x, w.blocks(), True), gq.repacked_q4_k(x, w.blocks(), False))
 
 
+@pytest.mark.interop
 @pytest.mark.parametrize("k", [16, 72])
 def test_f16_weight_is_ggmls(k):
     """F16 (kimi-quantize's fallback for 16-wide rows): fp16 activation, tinyBLAS<8> for a batch, vec_dot_f16 for

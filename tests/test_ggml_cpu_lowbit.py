@@ -63,11 +63,13 @@ def case(request):
     return qtype, kind, raw, _wide(rng, (N_TOK, k))
 
 
+@pytest.mark.interop
 def test_dequantize_is_ggmls(case):
     qtype, _, raw, x = case
     assert bit_equal(dequantize(raw, qtype).reshape(M_ROWS, -1), ggml_dequantize(raw, qtype, x.shape[1]))
 
 
+@pytest.mark.interop
 def test_vec_dot_is_ggmls(case):
     """One activation row at a time (a single token, a mul_mat_id row): the Q8_K / Q8_0 conversion and vec_dot."""
     qtype, kind, raw, x = case
@@ -81,6 +83,7 @@ def test_vec_dot_is_ggmls(case):
         assert not np.array_equal(ours, exact.astype(F32))
 
 
+@pytest.mark.interop
 @pytest.mark.parametrize("n_tok", [1, 8, N_TOK])
 def test_mul_mat_is_ggmls(case, n_tok):
     """ggml_mul_mat in a CPU graph: tiled (grid i-quants, >= 8 rows) or vec_dot, as ggml_compute_forward_mul_mat
@@ -93,6 +96,7 @@ def test_mul_mat_is_ggmls(case, n_tok):
                                           np.abs(ours - theirs).max())
 
 
+@pytest.mark.interop
 @pytest.mark.parametrize("qtype", lowbit.GRID_TYPES, ids=lambda t: t.name)
 def test_grid_types_take_the_tiled_kernel_from_8_rows(qtype):
     """The tiled kernel and vec_dot order the same integers differently: at 8 rows ggml's result is the tiled one."""

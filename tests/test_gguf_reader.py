@@ -96,6 +96,7 @@ def test_every_value_and_tensor_type_reads_as_gguf_reads_it(tmp_path, alignment)
     assert_same_as_gguf(write_all_types(tmp_path / "all.gguf", alignment))
 
 
+@pytest.mark.interop
 @pytest.mark.parametrize("which", ["k3-bf16", "k31-f32", "llama.cpp q8_0"])
 def test_converted_and_llama_cpp_files_read_as_gguf_reads_them(converted, llama_q8, which):
     path = llama_q8 if which == "llama.cpp q8_0" else converted(*which.split("-"))

@@ -125,6 +125,7 @@ def reachable(tables: grids.GridTables, bits: int) -> list[int]:
             if all((u >> bits * k) & mask < tables.reach for k in range(dim))]
 
 
+@pytest.mark.interop
 @pytest.mark.parametrize("qtype", grids.GRID_TYPES, ids=lambda q: q.name)
 def test_the_grid_is_ggmls_source_table_point_for_point(qtype):
     tables, init = grids.grid_tables(qtype), ggml_init(qtype)
@@ -139,6 +140,7 @@ def test_the_grid_is_ggmls_source_table_point_for_point(qtype):
         assert ours.call == init["call"]
 
 
+@pytest.mark.interop
 @pytest.mark.parametrize("qtype", grids.GRID_TYPES, ids=lambda q: q.name)
 def test_the_grid_dequantizes_as_ggml_common_h_and_gguf_py(qtype):
     tables = grids.grid_tables(qtype)
@@ -155,6 +157,7 @@ def test_the_grid_dequantizes_as_ggml_common_h_and_gguf_py(qtype):
     assert np.array_equal(values.astype(np.float32), np.asarray(cls.grid_map, np.float32))
 
 
+@pytest.mark.interop
 @pytest.mark.parametrize("qtype", grids.GRID_TYPES, ids=lambda q: q.name)
 def test_reach_is_what_ggmls_quantizers_clamp_levels_to(qtype):
     impl = {QT.IQ2_XXS: "quantize_row_iq2_xxs_impl", QT.IQ2_XS: "quantize_row_iq2_xs_impl",
@@ -170,6 +173,7 @@ def test_reach_is_what_ggmls_quantizers_clamp_levels_to(qtype):
         assert "MAX(0, MIN(kMaxQ-1, l))" in c_function(impl)
 
 
+@pytest.mark.interop
 @pytest.mark.parametrize("qtype", list(grids.INITS), ids=lambda q: q.name)
 def test_kmap_and_neighbour_lists_follow_ggmls_rule(qtype):
     tables, init = grids.grid_tables(qtype), ggml_init(qtype)
@@ -183,6 +187,7 @@ def test_kmap_and_neighbour_lists_follow_ggmls_rule(qtype):
         assert tables.neighbour_list(u).tolist() == ggml_neighbours(kgrid, bits, dim, init["nwant"], u), u
 
 
+@pytest.mark.interop
 @pytest.mark.parametrize("qtype", list(grids.INITS), ids=lambda q: q.name)
 def test_the_lists_lie_in_index_order_and_unreachable_indices_read_an_empty_list(qtype):
     tables = grids.grid_tables(qtype)

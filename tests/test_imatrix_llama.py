@@ -31,6 +31,8 @@ from kimi_convert.quant.policy import load_policy
 from kimi_interop.llama_tools import llama_imatrix, llama_quantize
 from test_quantize import assert_same_file
 
+pytestmark = pytest.mark.interop      # needs the llama.cpp builds (.ci/install-interop.sh)
+
 CTX, CHUNKS = 128, 16
 FIRST_MLA = 3                       # the fixture's layers: 0 KDA+dense, 1-2 KDA+MoE, 3 MLA+MoE, ...
 

@@ -30,6 +30,8 @@ from kimi_interop.numeric_paths import llama_cpp_pinned_problem
 from kimi_interop.tie_breaks import LlamaCppTieBreaks
 from kimi_convert.runtime.forward import Runtime
 
+pytestmark = pytest.mark.interop      # needs the llama.cpp builds (.ci/install-interop.sh)
+
 PROMPT = [int(t) for t in np.random.default_rng(0).integers(0, 700, 32)]   # below the special ids
 F32_BOUND = 1e-3
 ROUTING_MARGIN = 1e-4      # F32 class margin (verification.md §3): 100x the router's disagreement with llama.cpp

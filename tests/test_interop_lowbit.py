@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 
-import llama_cpp
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
@@ -37,6 +36,8 @@ from kimi_convert.quant.driver import quantize_file
 from kimi_convert.quant.policy import load_policy
 from test_quantize import IMATRIX_KEYS, assert_same_file
 
+pytestmark = pytest.mark.interop      # needs the llama.cpp builds (.ci/install-interop.sh)
+
 MIXTURES = {"IQ2_XXS": QT.IQ2_XXS, "IQ1_M": QT.IQ1_M}
 N = 12                                # kimi-verify's tokens, as tests/test_verify_quantized.py
 
@@ -45,6 +46,7 @@ N = 12                                # kimi-verify's tokens, as tests/test_veri
 def lowbit(tmp_path_factory):
     """(checkpoint, imatrix file, {mixture: kimi-quantize's file}, {mixture: llama-quantize's file}), made once."""
     d = tmp_path_factory.mktemp("interop-lowbit")
+    import llama_cpp        # imported here: `pytest -m "not interop"` collects this file without it
     hf = make_checkpoint(d / "Kimi-K3", arch="k3", experts_mxfp4=False, **SIZES)
     src = d / "k3-bf16.gguf"
     convert(build_plan(hf, "bf16"), src)

@@ -26,6 +26,8 @@ from kimi_convert.quant.mixtures import FILE_TYPES
 from kimi_convert.quant.policy import load_policy
 from test_quantize import IMATRIX_KEYS, assert_same_file
 
+pytestmark = pytest.mark.interop      # needs the llama.cpp builds (.ci/install-interop.sh)
+
 SIZES = dict(n_layers=8, hidden=256, moe_intermediate_size=256, routed_expert_hidden_size=256, intermediate_size=256,
              num_experts=2, num_experts_per_token=1, num_shared_experts=1, seed=3)
 WRITABLE = ["Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K", "Q8_0", "Q4_0",

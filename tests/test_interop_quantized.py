@@ -36,6 +36,8 @@ from kimi_convert.quant.driver import quantize_file
 from kimi_convert.quant.policy import parse_policy
 from kimi_convert.runtime.forward import Runtime
 
+pytestmark = pytest.mark.interop      # needs the llama.cpp builds (.ci/install-interop.sh)
+
 PROMPT = [int(t) for t in np.random.default_rng(0).integers(0, 700, 32)]   # below the special ids
 INPUT_REL_BOUND = 1e-5     # f32 matmul inputs, relative to the row's largest magnitude; measured <= 2e-6
 ROUNDED_BOUND = 1e-4       # logits / hidden states with the emulation; measured 0

@@ -31,6 +31,8 @@ from kimi_interop import (  # noqa: E402
 )
 from kimi_interop import wllama as wllama_mod  # noqa: E402
 
+pytestmark = pytest.mark.interop      # needs the llama.cpp builds (.ci/install-interop.sh)
+
 TOKENS = [5, 72, 101, 108, 256, 257, 32, 258, 0, 33, 200, 7]
 
 

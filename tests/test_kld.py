@@ -163,6 +163,7 @@ def test_non_finite_logits_are_named_and_the_command_fails_cleanly(models, text,
     assert sorted(x.name for x in tmp_path.iterdir()) == ["nan.gguf"]       # no base file, no work folder
 
 
+@pytest.mark.interop
 def test_the_command_prints_llama_perplexity_s_labels(models, text, tmp_path):
     from kimi_interop.llama_tools import parse_kld_report
     bf16, q8 = models

@@ -27,6 +27,8 @@ from kimi_convert.kld.basefile import BaseFile, expand
 from kimi_convert.kld.job import KldOptions, KldRun
 from kimi_interop.llama_tools import llama_perplexity, llama_quantize, parse_kld_report, tools_available
 
+pytestmark = pytest.mark.interop      # needs the llama.cpp builds (.ci/install-interop.sh)
+
 CTX, CHUNKS = 128, 16
 WITH_UNCERTAINTY = ["Mean PPL(Q)", "Mean PPL(base)", "Mean ln(PPL(Q)/PPL(base))", "Mean PPL(Q)/PPL(base)",
                     "Mean PPL(Q)-PPL(base)", "Mean KLD", "RMS Δp", "Same top p"]

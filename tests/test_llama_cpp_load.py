@@ -12,6 +12,8 @@ import pytest
 from kimi_interop.llama_cpp import llama_cpp_load_error, llama_cpp_logits
 from kimi_interop.wllama import wllama_hidden_states, wllama_load_error
 
+pytestmark = pytest.mark.interop      # needs the llama.cpp builds (.ci/install-interop.sh)
+
 TOKENS = [17, 300, 42, 511, 7, 90, 640, 12]
 
 

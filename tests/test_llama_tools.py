@@ -11,6 +11,7 @@ import sysconfig
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 try:
     import kimi_interop  # noqa: F401
@@ -20,6 +21,8 @@ except ImportError:  # running without the repo root on sys.path
 from gguf import GGUFReader
 
 from kimi_interop.llama_tools import llama_imatrix, llama_quantize
+
+pytestmark = pytest.mark.interop      # needs the llama.cpp builds (.ci/install-interop.sh)
 
 CTX, CHUNKS = 128, 2
 

@@ -99,10 +99,12 @@ def snapshot(model: str):
     return read_schema((upstream_snapshots() / f"{model}.schema").read_text())
 
 
+@pytest.mark.interop
 def test_every_snapshot_model_is_compared_or_excused():
     assert {p.stem for p in upstream_snapshots().glob("*.schema")} == set(ROWS) | ARCH_SPECIFIC
 
 
+@pytest.mark.interop
 @pytest.mark.parametrize("model", sorted(ROWS))
 def test_types_equal_llama_cpp_snapshot(model):
     """Every file type of the snapshot, tensor for tensor: its type, from our mixture and fallback."""
@@ -133,6 +135,7 @@ def real_k3():
     return config, tuple(gguf_tensor_types(config))
 
 
+@pytest.mark.interop
 @pytest.mark.parametrize("n_expert,n_head_kv", [(None, 0), (8, 1), (0, 24)],
                          ids=["k3", "8-experts-gqa96", "dense-gqa4"])
 def test_types_equal_llama_quant_compute_types_on_real_k3(n_expert, n_head_kv):
@@ -157,6 +160,7 @@ def test_types_equal_llama_quant_compute_types_on_real_k3(n_expert, n_head_kv):
     assert not wrong, f"{len(wrong)} differ:\n" + "\n".join(wrong[:20])
 
 
+@pytest.mark.interop
 def test_k31_indexer_stays_as_it_is_where_llama_quantize_would_quantize_it():
     """The real K3.1 tensors: llama.cpp's choice (its kimi-k3 rules; the pinned build has no kimi-k31) quantizes
     the indexer; ours keeps it, and decides every other tensor as llama.cpp does."""

@@ -48,6 +48,7 @@ def ggml_digests() -> list[str]:
             hashlib.sha256(np.asarray(ggml_quantize(x, QT.Q8_0)).tobytes()).hexdigest()]
 
 
+@pytest.mark.interop
 def test_a_warm_cache_quantizes_without_numba_and_a_corrupt_entry_is_built_again(tmp_path, monkeypatch):
     expected = ggml_digests()
     q8_0, q2_K = blocks.block_type(QT.Q8_0)._ref, blocks.block_type(QT.Q2_K)._ref
@@ -113,6 +114,7 @@ def test_an_entry_that_needs_a_missing_symbol_is_refused_not_linked():
         native._link(kernel, {"symbol": "entry", "needs": ["kimi_no_such_symbol"]}, b"")
 
 
+@pytest.mark.interop
 def test_a_kernel_that_cannot_be_linked_runs_as_numbas_dispatcher(monkeypatch, tmp_path):
     monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
 

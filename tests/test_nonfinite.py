@@ -53,6 +53,7 @@ ggml_quantize(x, QT[sys.argv[1]], np.random.default_rng(9).uniform(0.1, 2.0, 512
 """
 
 
+@pytest.mark.interop       # the child runs ggml's own quantizer (kimi_interop.ggml_quants)
 @pytest.mark.parametrize("qtype", ABORTING, ids=lambda t: t.name)
 @pytest.mark.parametrize("bad", VALUES)
 def test_ggml_aborts_and_we_refuse_naming_row_and_column(qtype, bad):
@@ -65,6 +66,7 @@ def test_ggml_aborts_and_we_refuse_naming_row_and_column(qtype, bad):
     assert (err.value.row, err.value.column, err.value.count, err.value.what) == (2, 300, 1, bad)
 
 
+@pytest.mark.interop
 @pytest.mark.parametrize("qtype", WRITTEN, ids=lambda t: t.name)
 @pytest.mark.parametrize("bad", VALUES)
 def test_types_ggml_writes_on_a_non_finite_value_are_its_bytes(qtype, bad):

@@ -69,6 +69,7 @@ def weightings(qtype, rng):
         yield "no imatrix", None
 
 
+@pytest.mark.interop
 @pytest.mark.parametrize("qtype", IQ1, ids=lambda t: t.name)
 def test_bf16_rows(qtype):
     rng = rng_for(f"iq1/bf16/{qtype.name}")
@@ -77,6 +78,7 @@ def test_bf16_rows(qtype):
         assert_equal_ggml(x, qtype, im, f"bf16, {what}")
 
 
+@pytest.mark.interop
 @pytest.mark.parametrize("qtype", IQ1, ids=lambda t: t.name)
 def test_dequantized_mxfp4_rows(qtype):
     rng = rng_for(f"iq1/mxfp4/{qtype.name}")
@@ -85,6 +87,7 @@ def test_dequantized_mxfp4_rows(qtype):
         assert_equal_ggml(x, qtype, im, f"dequantized MXFP4, {what}")
 
 
+@pytest.mark.interop
 @pytest.mark.parametrize("qtype", IQ1, ids=lambda t: t.name)
 def test_zero_sparse_and_tiny_blocks(qtype):
     rng = rng_for(f"iq1/edge/{qtype.name}")
@@ -93,6 +96,7 @@ def test_zero_sparse_and_tiny_blocks(qtype):
         assert_equal_ggml(x, qtype, im, f"edge blocks, {what}")
 
 
+@pytest.mark.interop
 def test_iq1_s_requires_an_imatrix_as_ggml():
     assert ggml.ggml_quantize_requires_imatrix(QT.IQ1_S)
     assert block_type(QT.IQ1_S).ggml_requires_imatrix
@@ -136,6 +140,7 @@ def test_stable_order_is_numpys_stable_argsort():
         assert np.array_equal(x[o + order], np.sort(x[o:o + 32]))       # a sort, with the ties the other way
 
 
+@pytest.mark.interop
 def test_iq1_m_bytes_depend_on_the_tie_order_on_dequantized_mxfp4():
     """The kernel with ties in reverse index order differs from ggml (and from ours) on most super-blocks of
     dequantized MXFP4 rows, with and without an imatrix: the stable order is what makes ours equal."""
@@ -167,6 +172,7 @@ def test_multiply_add_is_not_fused():
 
 # --- validation: IQ1_S's fp16 d at offset 0, as ggml_validate_row_data reads it ---
 
+@pytest.mark.interop
 def test_iq1_s_scale_validated_as_ggml():
     rng = rng_for("iq1/validate")
     q = quantize(bf16_rows(rng, 1), QT.IQ1_S, importance(rng)).reshape(-1, 50).copy()
@@ -178,6 +184,7 @@ def test_iq1_s_scale_validated_as_ggml():
         validate_blocks(q, QT.IQ1_S)
 
 
+@pytest.mark.interop
 def test_iq1_m_split_scale_validated_as_ggml():
     """IQ1_M's fp16 scale lies in the top nibbles of scales[8]: an inf or NaN there is refused, as ggml does."""
     rng = rng_for("iq1/validate-m")

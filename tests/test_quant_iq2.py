@@ -18,6 +18,8 @@ from kimi_convert.quant import quantize, row_size
 from kimi_convert.quant.blocks import block_type
 from kimi_convert.quant.kernels.common import make_qp_quants
 
+pytestmark = pytest.mark.interop      # needs the llama.cpp builds (.ci/install-interop.sh)
+
 IQ2 = [QT.IQ2_XXS, QT.IQ2_XS, QT.IQ2_S]
 WIDTH = 512             # two super-blocks a row
 F32 = np.float32

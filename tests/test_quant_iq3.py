@@ -77,6 +77,7 @@ def sub_block_scaled(rng, n_rows: int, scales) -> np.ndarray:
     return (x * np.repeat(pick, SUB_BLOCK, axis=1)).astype(np.float32)
 
 
+@pytest.mark.interop
 @pytest.mark.parametrize("weights", WEIGHTS)
 @pytest.mark.parametrize("qtype", IQ3, ids=lambda t: t.name)
 def test_bf16_and_dequantized_mxfp4_rows(qtype, weights):
@@ -88,6 +89,7 @@ def test_bf16_and_dequantized_mxfp4_rows(qtype, weights):
     assert_equal_ggml(mxfp4_values(rng, 12), qtype, qw, "dequantized MXFP4")
 
 
+@pytest.mark.interop
 @pytest.mark.parametrize("weights", WEIGHTS)
 @pytest.mark.parametrize("qtype", IQ3, ids=lambda t: t.name)
 def test_zero_sparse_and_tiny_blocks(qtype, weights):
@@ -110,6 +112,7 @@ def test_zero_sparse_and_tiny_blocks(qtype, weights):
     assert_equal_ggml(ties, qtype, qw, "integer ties")
 
 
+@pytest.mark.interop
 def test_iq3_xxs_skips_sub_blocks_below_its_own_eps():
     """IQ3_XXS leaves a sub-block whose maximum is below 1e-8 (GROUP_MAX_EPS_IQ3_XXS, not the 1e-15 of the
     other types) unquantized: no grid indices, no signs. A 3e-9 sub-block is above the common eps."""
@@ -123,6 +126,7 @@ def test_iq3_xxs_skips_sub_blocks_below_its_own_eps():
     assert q[XXS_SIGNS + 8:XXS_SIGNS + 12].any()                                 # the next one's are written
 
 
+@pytest.mark.interop
 def test_iq3_s_quantizes_any_nonzero_maximum():
     """IQ3_S skips only a sub-block whose maximum is exactly 0 (``!max``): one with maximum 1e-12, which every
     eps guard of ggml would skip, gets its grid indices and signs."""
@@ -132,6 +136,7 @@ def test_iq3_s_quantizes_any_nonzero_maximum():
     assert q[S_QS:S_QS + 64].any() and q[S_SIGNS:S_SIGNS + 32].any()
 
 
+@pytest.mark.interop
 def test_iq3_s_nearest_int_bit_trick_on_an_infinite_inverse_scale():
     """A denormal sub-block maximum: no scan candidate is accepted (x^2 underflows, so every weight is 0) and
     ggml re-projects with id = 1/(max/15) = inf. nearest_int(0.5*(inf*x - 1)) is its bit trick on inf:
@@ -152,6 +157,7 @@ def test_iq3_s_nearest_int_bit_trick_on_an_infinite_inverse_scale():
     assert q[S_SIGNS:S_SIGNS + 4].any()      # the sub-block was quantized, not skipped
 
 
+@pytest.mark.interop
 def test_iq3_s_zero_sub_block_shifts_the_next_ones_grid_indices_and_signs():
     """ggml's IQ3_S advances its qs and signs pointers only past the sub-blocks it quantizes: after an all-zero
     sub-block the next one's grid indices and signs are written into the zero one's place (and the last place

@@ -149,12 +149,14 @@ def first_difference(ours: np.ndarray, ref: np.ndarray, qtype: QT) -> str:
 QT_BLOCK = {t: QUANT_SIZES[t][0] for t in BLOCK_TYPES + FLOAT_TYPES}
 
 
+@pytest.mark.interop
 def test_ggml_library_loads():
     path = ggml.ggml_base_path()
     assert path.name == "libggml-base.so" and path.parent.name == "lib" and path.parent.parent.name == "llama_cpp"
     assert ggml.ggml_row_size(QT.Q4_K, 7168) == row_size(QT.Q4_K, 7168) == 7168 // 256 * 144
 
 
+@pytest.mark.interop
 @pytest.mark.parametrize("dist", list(DISTRIBUTIONS))
 @pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
 def test_bytes_equal_ggml(qtype, dist):
@@ -171,6 +173,7 @@ def test_bytes_equal_ggml(qtype, dist):
     assert not failures, f"{qtype.name}/{dist}:\n" + "\n".join(failures)
 
 
+@pytest.mark.interop       # runs test_bytes_equal_ggml & co. (ggml's own quantizers) in a child
 def test_vector_kernels_equal_ggml_as_avx2_code(tmp_path):
     """The kernels written as LLVM vector operations (common.py: abs_max's search, weighted_grid_d2; Q4_0's
     levels) are lowered to other instructions on a CPU without AVX-512. Built for haswell (AVX2 only) in a
@@ -189,6 +192,7 @@ def test_vector_kernels_equal_ggml_as_avx2_code(tmp_path):
     assert f"{len(selected)} passed" in run.stdout, run.stdout[-500:]
 
 
+@pytest.mark.interop
 @pytest.mark.parametrize("qtype", FLOAT_TYPES, ids=lambda t: t.name)
 def test_float_types_equal_ggml(qtype):
     """F32 copy, F16 (RNE, overflow to inf, NaN -> sign|0x7E00) and BF16 (RNE, NaN kept and made quiet)."""
@@ -204,6 +208,7 @@ def test_float_types_equal_ggml(qtype):
         assert np.array_equal(ours, ref), f"{qtype.name}/{dist}: {first_difference(ours, ref, qtype)}"
 
 
+@pytest.mark.interop
 @pytest.mark.parametrize("qtype", BLOCK_TYPES + FLOAT_TYPES, ids=lambda t: t.name)
 def test_dequantize_equals_ggml(qtype):
     rng = np.random.default_rng(3)
@@ -239,6 +244,7 @@ SCALE_OFFSETS = {QT.Q8_0: (0,), QT.Q4_0: (0,), QT.Q4_1: (0, 2), QT.Q5_0: (0,), Q
 FP16_SCALED = [t for t in BLOCK_TYPES if t in SCALE_OFFSETS]
 
 
+@pytest.mark.interop
 @pytest.mark.parametrize("qtype", FP16_SCALED, ids=lambda t: t.name)
 def test_validate_blocks_as_ggml(qtype):
     rng = np.random.default_rng(5)
@@ -256,6 +262,7 @@ def test_validate_blocks_as_ggml(qtype):
             assert (err.value.block, err.value.what) == (block, what)
 
 
+@pytest.mark.interop
 def test_validate_blocks_floats_as_ggml():
     x = np.ones(64, np.float32)
     for qtype, bad_values, what in ((QT.F32, (np.inf, -np.inf), "inf"), (QT.F32, (np.nan,), "nan"),
@@ -272,6 +279,7 @@ def test_validate_blocks_floats_as_ggml():
         validate_blocks(quantize(x[None], qtype), qtype)
 
 
+@pytest.mark.interop
 def test_overflowing_scale_is_invalid_in_both():
     """A block whose scale overflows fp16 is written as inf by ggml too, and then refused by validation."""
     x = np.full((1, 256), 1e9, np.float32)
@@ -283,6 +291,7 @@ def test_overflowing_scale_is_invalid_in_both():
             validate_blocks(q, qtype)
 
 
+@pytest.mark.interop
 def test_any_layout_and_dtype_of_input():
     """Strided or float64 input is quantized as its float32 C-contiguous copy would be."""
     rng = np.random.default_rng(13)
@@ -303,6 +312,7 @@ def test_bad_arguments():
         quantize(np.zeros(96, np.float32), QT.Q8_0)
 
 
+@pytest.mark.interop
 @pytest.mark.parametrize("source", [QT.BF16, QT.F16, QT.F32, QT.Q8_0], ids=lambda t: t.name)
 @pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_K, QT.IQ4_XS], ids=lambda t: t.name)
 def test_stored_rows_quantize_as_their_float32_values(source, qtype):
@@ -320,6 +330,7 @@ def test_stored_rows_quantize_as_their_float32_values(source, qtype):
             assert np.array_equal(ours, ref), f"{source.name}->{qtype.name} threads={threads}"
 
 
+@pytest.mark.interop
 def test_mxfp4_rows_requantize_as_their_values():
     """MXFP4 is only read (experts under --allow-requantize): its rows widen through gguf-py's dequantizer."""
     from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize

@@ -19,6 +19,8 @@ from kimi_interop import ggml_quants as ggml
 from kimi_convert.quant import InvalidBlockError, quantize, row_size, validate_blocks
 from kimi_convert.quant.blocks import block_type
 
+pytestmark = pytest.mark.interop      # needs the llama.cpp builds (.ci/install-interop.sh)
+
 LOW_BIT = [QT.Q1_0, Q2_0, QT.TQ1_0, QT.TQ2_0, QT.MXFP4, QT.NVFP4]
 WIDTH = 768                     # a whole number of blocks of every type (64, 128, 256, 32)
 E2M1_DOUBLED = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.float32)   # kvalues_mxfp4

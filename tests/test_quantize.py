@@ -66,6 +66,7 @@ def k3_imatrix(k3_bf16):
     return write_gguf_imatrix(k3_bf16.with_name("k3.imatrix.gguf"), k3_entries(shapes, seed=5), chunk_count=12)
 
 
+@pytest.mark.interop
 @pytest.mark.parametrize("name", TYPES)
 def test_default_type_equals_llama_quantize_pure(k3_bf16, tmp_path, name):
     ours = quantize_file(k3_bf16, tmp_path / "ours.gguf", policy(f'default = "{name}"\n')).paths[0]
@@ -73,6 +74,7 @@ def test_default_type_equals_llama_quantize_pure(k3_bf16, tmp_path, name):
     assert_same_file(ours, theirs)
 
 
+@pytest.mark.interop
 @pytest.mark.parametrize("name", IMATRIX_TYPES)
 def test_with_imatrix_equals_llama_quantize(k3_bf16, k3_imatrix, tmp_path, name):
     imatrix = load_imatrix(k3_imatrix)
@@ -106,6 +108,7 @@ def assert_same_file_by_our_reader(ours, theirs):
         assert t.raw.tobytes() == u.raw.tobytes(), f"{name} ({t.qtype.name})"
 
 
+@pytest.mark.interop
 def test_q2_0_file_equals_llama_quantize_pure(k3_bf16, tmp_path):
     """Q2_0, which the pinned gguf does not know (gguf_io.qtypes): written by our writer and read by our reader
     as llama-quantize writes it; gguf's own reader refuses both files alike."""
@@ -120,6 +123,7 @@ def test_q2_0_file_equals_llama_quantize_pure(k3_bf16, tmp_path):
             GGUFReader(path)
 
 
+@pytest.mark.interop
 def test_nvfp4_and_q1_0_tensor_types_equal_llama_quantize(k3_bf16, tmp_path):
     """NVFP4 is no llama-quantize file type, only a --tensor-type target; Q1_0 as one too (its rows must be whole
     blocks of 128: the experts'). The file type is the default's."""
@@ -133,6 +137,7 @@ def test_nvfp4_and_q1_0_tensor_types_equal_llama_quantize(k3_bf16, tmp_path):
     assert types["blk.1.ffn_up_exps.weight"] == QT.NVFP4 and types["blk.1.ffn_down_exps.weight"] == QT.Q1_0
 
 
+@pytest.mark.interop
 def test_q1_0_refuses_a_row_it_has_no_fallback_for_as_llama_quantize(k3_bf16, tmp_path):
     """This fixture has rows of 64 (attn_output): llama-quantize --pure Q1_0 throws; kimi-quantize refuses in
     one line naming the tensor, before writing anything."""
@@ -144,6 +149,7 @@ def test_q1_0_refuses_a_row_it_has_no_fallback_for_as_llama_quantize(k3_bf16, tm
     assert not (tmp_path / "ours.gguf").exists()
 
 
+@pytest.mark.interop
 def test_mxfp4_experts_copied_as_llama_quantize_exps_mxfp4(tmp_path):
     hf = make_checkpoint(tmp_path / "Kimi-K3-mx", arch="k3", n_layers=4, hidden=256, moe_intermediate_size=256,
                          routed_expert_hidden_size=256, intermediate_size=512, seed=4)

@@ -515,3 +515,31 @@ def test_imatrix_dry_run_on_the_real_k3_at_100k_tokens(real_k3, tmp_path):
     assert plan["states_in_ram"] <= 12e9 < plan["token_state_bytes"]        # the rest spills beside the output
     assert plan["peak_bytes"] < 64e9 and plan["seconds"] > 0
     assert sorted(x.name for x in tmp_path.iterdir()) == ["calib.txt", "plan.json"]
+
+
+def test_kld_dry_run_on_the_real_k3_at_100k_tokens(real_k3, tmp_path):
+    """kimi-verify kld --dry-run, the real K3 checkpoint against itself at 200 chunks of 512 tokens: two passes,
+    each reading every text tensor once (`output` too: the logits), the token states of one pass at a time, the
+    base file's bytes (llama-perplexity's format: 2 bytes a vocabulary entry a scored token), a peak under 64 GB.
+    Nothing is written but --json."""
+    import inspect
+    import argparse, ast, collections, difflib, pydoc, typing
+    from kimi_convert.kld.basefile import BaseHeader
+    text = tmp_path / "eval.txt"
+    text.write_text("".join(inspect.getsource(m) for m in (argparse, ast, collections, difflib, pydoc, typing)))
+    report = tmp_path / "plan.json"
+    code = "from kimi_convert.cli.verify import main; main()"
+    p = subprocess.run([sys.executable, "-c", code, "kld", str(real_k3.path), str(real_k3.path), "-f", str(text),
+                        "--ctx", "512", "--chunks", "200", "--dry-run", "--json", str(report), "--state-ram", "12G"],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    plan = json.loads(report.read_text())
+    ckpt = Checkpoint(real_k3.path)
+    text_bytes = sum(t.nbytes for t in ckpt.tensors.values() if not t.name.startswith(("vision_tower.",
+                                                                                        "mm_projector.")))
+    assert plan["bytes_read"] == 2 * text_bytes
+    assert len(plan["passes"]) == 2 and plan["chunks"] == 200
+    assert plan["token_state_bytes"] == 102_400 * 7168 * 4 * 9
+    assert plan["base_file_bytes"] == BaseHeader(512, 163_840, 200).nbytes() > 16e9
+    assert plan["peak_bytes"] < 64e9 and plan["seconds"] > 0
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["eval.txt", "plan.json"]

@@ -1,5 +1,6 @@
 """Tests for kimi_convert.runtime.reference: the PyTorch reference that reads HF checkpoints directly."""
 
+import numpy as np
 import pytest
 
 import torch  # noqa: E402  (the test extra installs it; missing torch is a failure)
@@ -74,10 +75,10 @@ def test_k3_logits_finite_and_shaped(k3_dir):
     # deterministic
     assert torch.equal(out, m.logits(toks))
     # routing margins recorded for every MoE layer and position
-    moe = m.last_routing_margins["moe"]
+    moe = m.last_routing_margins.moe
     assert moe and all(v.shape == (7,) for v in moe.values())
     assert all((v >= 0).all() for v in moe.values())
-    assert m.last_routing_margins["dsa"] == {}
+    assert m.last_routing_margins.dsa == {}
 
 
 def test_k3_causality(k3_dir):
@@ -131,8 +132,8 @@ def test_k31_large_top_k_equals_dense(k31_dir):
     dense = ReferenceModel(k31_dir, use_indexer=False).logits(toks)
     assert torch.equal(sparse, dense)
     # every position keeps all its keys, so no DSA margin is defined
-    for v in m.last_routing_margins["dsa"].values():
-        assert torch.isnan(v).all()
+    for v in m.last_routing_margins.dsa.values():
+        assert np.isnan(v).all()
 
 
 def test_k31_small_top_k_differs_from_position_2(k31_dir):
@@ -145,10 +146,10 @@ def test_k31_small_top_k_differs_from_position_2(k31_dir):
     assert torch.equal(sparse[:2], dense[:2])
     for t in range(2, T):
         assert not torch.allclose(sparse[t], dense[t]), t
-    dsa = m.last_routing_margins["dsa"]
+    dsa = m.last_routing_margins.dsa
     assert set(dsa) == set(m.cfg.dsa_layers)
     for v in dsa.values():
-        assert torch.isnan(v[:2]).all() and (v[2:] >= 0).all()
+        assert np.isnan(v[:2]).all() and (v[2:] >= 0).all()
 
 
 def test_k31_causality(k31_dir):

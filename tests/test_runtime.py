@@ -540,6 +540,7 @@ def _interop(fn_name: str):
     return getattr(interop, fn_name)
 
 
+@pytest.mark.interop
 @pytest.mark.parametrize("name", ["k3-f32-experts", "k3-softplus-f32-experts", "k3-b0-f32-experts"])
 def test_matches_native_llama_cpp(files, name):
     """kimi-k3 in llama.cpp (llama-cpp-python 0.3.36, F32 cache, no flash attention): every position's logits."""
@@ -551,6 +552,7 @@ def test_matches_native_llama_cpp(files, name):
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-4 * np.abs(theirs).max())
 
 
+@pytest.mark.interop
 @pytest.mark.parametrize("top_k", [2, 5, 64])
 def test_matches_wllama_kimi_k31(files, top_k):
     """kimi-k31 in llama.cpp b12211 (wllama): final hidden states with the indexer keeping top_k tokens."""

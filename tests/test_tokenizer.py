@@ -16,7 +16,6 @@ import random
 from itertools import pairwise
 
 import gguf
-import llama_cpp
 import numpy as np
 import pytest
 
@@ -63,7 +62,8 @@ def llama_ids(llm, data: bytes) -> np.ndarray:
     return np.array(llm.tokenize(data, add_bos=True, special=False), dtype=np.int32)
 
 
-def vocab_only(path, **kv_overrides) -> llama_cpp.Llama:
+def vocab_only(path, **kv_overrides):
+    import llama_cpp        # llama-cpp-python missing fails the tests that need it (the import)
     return llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False, kv_overrides=kv_overrides or None)
 
 
@@ -109,22 +109,26 @@ def tok(k3_gguf):
     return Tokenizer.from_gguf(k3_gguf)
 
 
+@pytest.mark.interop
 @pytest.mark.parametrize("name", SEGMENTS)
 def test_text_gives_llama_cpps_ids(tok, llm, name):
     data = SEGMENTS[name].encode()
     assert_same(tok.encode(data), llama_ids(llm, data), name)
 
 
+@pytest.mark.interop
 def test_all_segments_and_random_text_in_one_call(tok, llm):
     data = ("".join(SEGMENTS.values()) + random_text(0, 6000)).encode()
     assert_same(tok.encode(data), llama_ids(llm, data), "segments + random text")
 
 
+@pytest.mark.interop
 @pytest.mark.parametrize("data", BAD_UTF8, ids=lambda d: d.hex() or "empty")
 def test_invalid_utf8_and_empty_text_give_llama_cpps_ids(tok, llm, data):
     assert_same(tok.encode(data), llama_ids(llm, data), repr(data))
 
 
+@pytest.mark.interop
 def test_200_kb_of_python_source_in_one_call(tok, llm):
     data = stdlib_source(200_000)
     assert len(data) == 200_000
@@ -154,6 +158,7 @@ def test_checkpoint_and_gguf_give_the_same_ids(tok, k3_gguf, k3_dir, k31_dir, co
     assert (tok.bos_id, tok.add_bos) == (fields["tokenizer.ggml.bos_token_id"], False)
 
 
+@pytest.mark.interop
 @pytest.mark.parametrize("add_bos,add_eos", [(True, False), (False, True), (True, True)])
 def test_add_bos_and_add_eos_as_the_gguf_says(k3_gguf, add_bos, add_eos):
     keys = {"tokenizer.ggml.add_bos_token": add_bos, "tokenizer.ggml.add_eos_token": add_eos}
@@ -246,6 +251,7 @@ def probe_text(chars) -> bytes:
     return "".join(f"!{c}q\n1{c}q\n" for c in chars).encode("utf-8", "surrogatepass")
 
 
+@pytest.mark.interop
 def test_the_probe_tells_every_class_apart(probe):
     tok, _ = probe
     signatures = {name: tuple(i >= 256 for i in tok.encode(probe_text(c)).tolist())
@@ -264,12 +270,14 @@ def probe_code_points() -> list[int]:
     return sorted(c for c in chosen if c <= 0x10FFFF)
 
 
+@pytest.mark.interop
 def test_every_class_of_character_is_llama_cpps(probe):
     tok, model = probe
     data = probe_text(map(chr, probe_code_points()))
     assert_same(tok.encode(data), llama_ids(model, data), "probe text")
 
 
+@pytest.mark.interop
 def test_user_defined_tokens_are_cut_out_even_without_special_parsing(probe):
     """Type USER_DEFINED and the names llama.cpp makes user-defined (<|message|>): cut out first, longest
     first, each side decoded on its own; a control token (<|ctl|>) stays text."""
@@ -324,6 +332,7 @@ def random_vocab(seed: int) -> tuple[list[str], list[str], str]:
     return tokens, merges, text
 
 
+@pytest.mark.interop
 @pytest.mark.parametrize("seed", range(3))
 def test_merging_is_the_greedy_reference_and_llama_cpps(tmp_path, seed):
     tokens, merges, text = random_vocab(seed)

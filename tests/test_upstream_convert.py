@@ -22,6 +22,8 @@ from kimi_convert.fixtures.make_checkpoint import make_checkpoint
 from kimi_interop import upstream_convert
 from kimi_convert.verify.check import verify
 
+pytestmark = pytest.mark.interop      # needs the llama.cpp builds (.ci/install-interop.sh)
+
 # key -> why it differs (docs/formats.md, "Differences from llama.cpp's converter")
 UPSTREAM_DIFFERENCES = {
     "general.name": "descriptive: llama.cpp title-cases the folder name, we keep it",

@@ -21,6 +21,7 @@ from kimi_convert.convert.converter import build_plan, convert
 from kimi_convert.fixtures.make_checkpoint import make_checkpoint
 from kimi_convert.gguf_io import open_gguf
 from kimi_convert.model import KimiConfig
+from kimi_convert.runtime.margins import RoutingMargins
 from kimi_convert.verify.check import (DIVERGENCE_MIN, TOLERANCES, Part, _Runs, check_cost, check_k31, check_perplexity,
                                        check_tensors, compare_logits, perplexity, perplexity_ratio, token_sequence, verify)
 from kimi_convert.cli.verify import app
@@ -281,10 +282,10 @@ class _FixedRuns:
         self._run, self._ref, self.ids, self.weights = run, ref, ids, None
 
     def runtime(self, **_):
-        return self._run, {}
+        return self._run, RoutingMargins()
 
     def reference(self, **_):
-        return self._ref, {}
+        return self._ref, RoutingMargins()
 
 
 def test_huge_logits_give_an_infinite_perplexity_not_an_overflow():

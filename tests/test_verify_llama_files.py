@@ -105,6 +105,7 @@ def with_elements(keys: dict[str, VT]) -> Callable[[str, Field], Field]:
 # ------------------------------------------------------------------------------------
 # llama-quantize, and llama.cpp's headers
 
+@pytest.mark.interop
 @pytest.mark.parametrize("ftype,qtype", [("Q8_0", QT.Q8_0), ("Q4_K_M", QT.Q4_K)])
 def test_llama_quantize_output_passes(tmp_path, wide_dir, wide_f32, ftype, qtype):
     q = llama_quantize(wide_f32, tmp_path / f"wide-{ftype}.gguf", ftype)
@@ -194,6 +195,7 @@ def test_a_scalar_key_keeps_its_one_type(tmp_path, converted, k3_dir):
 # ------------------------------------------------------------------------------------
 # llama.cpp's own converter, and llama-quantize on its output
 
+@pytest.mark.interop
 def test_llama_quantize_of_llama_cpps_conversion_passes(tmp_path, k3_dir):
     """(llama.cpp's conversion itself: tests/test_upstream_convert.py.) Its per-layer arrays are INT32,
     and llama-quantize copies them verbatim; MXFP4_MOE keeps the (already MXFP4) experts and takes the
@@ -232,6 +234,7 @@ def config_ids(hf_dir) -> dict:
     return {"ids": ids, "text": text, "id_of": {t: i for i, t in text.items()}}
 
 
+@pytest.mark.interop
 @pytest.mark.parametrize("maker", ["ours", "llama.cpp"])
 def test_an_eos_that_is_not_end_of_msg_fails(tmp_path, made_by, k3_dir, maker):
     """The converter bug that makes chat never stop: eos = the tokenizer's [EOS] (kimi-linear's choice), not
@@ -246,6 +249,7 @@ def test_an_eos_that_is_not_end_of_msg_fails(tmp_path, made_by, k3_dir, maker):
         assert res.exit_code == 1 and line + source in res.output and "FAIL" in res.output, res.output
 
 
+@pytest.mark.interop
 @pytest.mark.parametrize("maker", ["ours", "llama.cpp"])
 @pytest.mark.parametrize("case", ["bos is [PAD]", "pad is eos", "eot is [EOS]", "unk outside", "unk not [UNK]",
                                   "eos missing", "eos as INT32"])
@@ -309,6 +313,7 @@ def string_element_offset(path, key: str, index: int) -> int:
     return at + 8
 
 
+@pytest.mark.interop
 @pytest.mark.parametrize("maker", ["ours", "llama.cpp"])
 def test_a_merge_that_is_not_utf8_fails(tmp_path, made_by, k3_dir, maker):
     """One byte of a merge set to 0x80 (a continuation byte where a character starts): the file is no GGUF, whose

@@ -128,6 +128,7 @@ def test_our_quantizations_pass(hf, ours, imatrices, name, with_imatrix):
     assert {r["type"] for r in rows} >= {name}
 
 
+@pytest.mark.interop
 @pytest.mark.parametrize("with_imatrix", [False, True], ids=["plain", "imatrix"])
 def test_llama_quantize_outputs_pass(hf, theirs, imatrices, tmp_path, with_imatrix):
     q = theirs(with_imatrix)
@@ -198,6 +199,7 @@ def test_an_f32_checkpoint_is_quantized_from_the_values_the_converter_wrote(tmp_
     assert {r["converted_as"] for r in rows} == {outtype.upper()}
 
 
+@pytest.mark.interop
 def test_lone_check_passes_on_quantized_files(ours, theirs):
     for q in (ours("Q4_K", True), theirs(True)):
         report = verify(q, length=N)
@@ -234,6 +236,7 @@ def test_a_flipped_byte_in_a_quantized_block_is_named(tmp_path, hf, ours, imatri
     assert f"first at row {row}, block {k}" in part.failures[0] and "imatrix differs" not in part.failures[0]
 
 
+@pytest.mark.interop
 @pytest.mark.parametrize("case", ["made with it, checked without", "made with it, checked with another",
                                   "made without, checked with one", "llama-quantize, checked without"])
 def test_another_imatrix_fails_saying_the_imatrix_differs(hf, ours, theirs, imatrices, case):

@@ -159,7 +159,7 @@ def interrupts_raise():
 def check_input_file(path: Path) -> None:
     """`path` is a regular file (or a symlink to one) that this process can read; else one error naming it.
     For a command's own file arguments, so that a FIFO, a device or an unreadable file is refused up front."""
-    from ..convert.checkpoint import open_input
+    from ..inputs import open_input
     with open_input(Path(path), KimiError):
         pass
 

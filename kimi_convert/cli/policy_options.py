@@ -3,13 +3,16 @@ reporting the decisions, the --dry-run table."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional
 
 from rich.markup import escape
 from rich.table import Table
 
 from ..errors import KimiError
 from .common import console, human, note, output, reading
+
+if TYPE_CHECKING:
+    from ..quant.imatrix import Imatrix
 
 
 def load_policy_options(policy: Optional[str], tensor_type: List[str], tensor_type_file: List[Path],
@@ -70,7 +73,7 @@ def print_choice(choice, explain: bool) -> None:
     if choice.solution is not None:
         note(f"solver: {choice.solution.describe()}")
 
-def report_decisions(plan, imat) -> None:
+def report_decisions(plan, imat: Imatrix | None) -> None:
     """On stderr: the rules that name protected tensors, the warnings, and the imatrix's coverage."""
     from ..quant.driver import imatrix_coverage
     print_conflicts(plan)
@@ -81,12 +84,12 @@ def report_decisions(plan, imat) -> None:
             note(line)
 
 
-def report_write_blockers(plan, imat) -> None:
+def report_write_blockers(plan, imat: Imatrix | None) -> None:
     """With --explain / --dry-run: on stderr, why writing this plan would be refused (quant.plan.write_blockers)."""
     from ..quant.plan import write_blockers
     entries = None if imat is None else {d.name for d in plan.decisions
                                          if d.needs_imatrix and imat.has_vector(d.name, d.shape)}
-    for line in write_blockers(plan, entries, getattr(imat, "path", "")):
+    for line in write_blockers(plan, entries, imat.path if imat is not None else ""):
         console.print(f"[yellow]note:[/] writing this plan is refused: {escape(line)}", highlight=False)
 
 

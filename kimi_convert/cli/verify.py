@@ -49,7 +49,7 @@ def slice_cmd(
     _debug: bool = debug_option(),
 ):
     """Write a real N-layer checkpoint from a full one, streamed by byte ranges."""
-    from ..convert.converter import peak_rss
+    from ..memory import peak_rss
     from ..verify.slice import slice_checkpoint
     started, r = time.time(), None
     try:

@@ -6,23 +6,25 @@ memory-mapped, so the resident set does not grow with what has been read.
 """
 from __future__ import annotations
 
-import json
 import mmap
 import os
-import stat
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from ..errors import CheckpointError, KimiError
+from ..errors import CheckpointError
 from ..gcutil import gc_paused
+from ..inputs import open_input, read_input, read_json  # noqa: F401  (open_input, read_input: here before)
 from ..paths import Input
 from .safetensors_header import DTYPE_BITS, read_header
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+# the tokenizer's files (vocab.py reads them; checkpoint_inputs lists them among the inputs)
+TIKTOKEN_FILE = "tiktoken.model"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 # The real model's index is 59,764,096 bytes (497,220 tensors): 1 GiB is 18 times that, and a
 # bigger file, parsed, would take tens of GB of RAM before any check could refuse it.
 MAX_INDEX_BYTES = 1 << 30
@@ -41,66 +43,11 @@ class SourceTensor:
     offset: int       # absolute byte offset in the shard
     nbytes: int
 
-    def describe(self) -> str:
-        return f"{self.name} ({self.dtype} {list(self.shape)} in {self.path.name})"
-
-
-# --- opening input files ----------------------------------------------------------------------
-
-_NOT_REGULAR = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
-                (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                (stat.S_ISSOCK, "a socket"))
-
-
-@contextmanager
-def open_input(path: Path, error: type[KimiError] = CheckpointError, missing: str = "not found"):
-    """(fd, size) of `path`, a regular file or a symlink to one (the Hugging Face cache's
-    snapshots/REV/x -> ../../blobs/SHA), opened read-only; anything else is `error` naming it.
-
-    A FIFO or a device is refused by its stat before it is opened, and the open cannot block
-    (O_NONBLOCK), should the file be swapped for one in between."""
-    try:
-        mode = os.stat(path).st_mode
-        if not stat.S_ISREG(mode):
-            raise error(f"{path}: is {_file_kind(mode)}, not a regular file")
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        dangling = f" (a symlink to {os.readlink(path)}, which does not exist)" if os.path.islink(path) else ""
-        raise error(f"{path}: {missing}{dangling}") from None
-    except OSError as e:            # PermissionError, ELOOP, EIO, ...
-        raise error(f"{path}: cannot read: {e.strerror or e}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise error(f"{path}: is {_file_kind(st.st_mode)}, not a regular file")
-        yield fd, st.st_size
-    finally:
-        os.close(fd)
-
-
-def read_input(path: Path, limit: int, error: type[KimiError] = CheckpointError,
-               missing: str = "not found") -> str:
-    """The text (UTF-8) of a small input file, config.json or the index, through open_input."""
-    with open_input(path, error, missing) as (fd, size):
-        if size > limit:
-            raise error(f"{path}: {size:,} bytes, more than the {limit:,} such a file can need")
-        try:
-            data = os.pread(fd, size, 0)      # one read: the kernel returns up to 2 GiB at once
-        except OSError as e:
-            raise error(f"{path}: cannot read: {e.strerror or e}") from None
-    if len(data) != size:
-        raise error(f"{path}: changed while being read ({len(data):,} of {size:,} bytes)")
-    try:
-        return data.decode("utf-8")     # the bytes are let go on return, before the text is parsed
-    except UnicodeDecodeError as e:
-        raise error(f"{path}: not UTF-8 (byte {e.start})") from None
-
 
 def checkpoint_inputs(hf_dir: Path) -> list[Input]:
     """Every file of the checkpoint `hf_dir` a command reads: config.json, the index, the tokenizer's files
     (vocab.py) and every *.safetensors file there (the index's shards, and any other: no output may replace one
     either), for paths.refuse_overlap. Files that are not there are left to the check that reads them."""
-    from .vocab import CHAT_TEMPLATE_FILE, TIKTOKEN_FILE, TOKENIZER_CONFIG_FILE
     hf_dir = Path(hf_dir)
     named = [("config.json", "checkpoint's config"), (INDEX_NAME, "checkpoint's index"),
              (TIKTOKEN_FILE, "checkpoint's tokenizer"), (TOKENIZER_CONFIG_FILE, "checkpoint's tokenizer config"),
@@ -110,10 +57,6 @@ def checkpoint_inputs(hf_dir: Path) -> list[Input]:
     except OSError:
         shards = []
     return [*(Input(hf_dir / name, what) for name, what in named), *(Input(p, "checkpoint shard") for p in shards)]
-
-
-def _file_kind(mode: int) -> str:
-    return next((kind for test, kind in _NOT_REGULAR if test(mode)), "not a regular file")
 
 
 def is_plain_file_name(name) -> bool:
@@ -140,14 +83,9 @@ def read_shard_header(path: Path, shapes: dict | None = None,
     return out
 
 
-def _parse_index(index: Path, text: str) -> dict:
+def _parse_index(index: Path) -> dict:
     """The weight_map of model.safetensors.index.json: {tensor name: shard file name}."""
-    try:
-        doc = json.loads(text)
-    except RecursionError:
-        raise CheckpointError(f"{index}: not a valid index: nested too deeply") from None
-    except ValueError as e:         # json.JSONDecodeError, an integer of over 4300 digits
-        raise CheckpointError(f"{index}: not a valid index: not JSON ({e})") from None
+    doc = read_json(index, MAX_INDEX_BYTES, bad="not a valid index: not JSON")
     wm = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(wm, dict):
         raise CheckpointError(f"{index}: not a valid index: no weight_map object")
@@ -175,7 +113,7 @@ class Checkpoint:
             if os.path.lexists(self.dir / SINGLE_NAME):
                 return {n: SINGLE_NAME for n in read_shard_header(self.dir / SINGLE_NAME)}
             raise CheckpointError(f"{index}: not found (and no {SINGLE_NAME})")
-        wm = _parse_index(index, read_input(index, MAX_INDEX_BYTES))
+        wm = _parse_index(index)
         shard_names: dict[str, str] = {}
         for name, shard in wm.items():     # one string per shard, not one per tensor
             known = shard_names.get(shard) if type(shard) is str else None

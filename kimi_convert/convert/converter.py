@@ -8,9 +8,8 @@ is ever held whole unless it is small (the fused and split ones are a few MB at 
 """
 from __future__ import annotations
 
-import resource
 import time
-from collections import Counter, defaultdict, deque
+from collections import defaultdict, deque
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from functools import lru_cache
@@ -30,6 +29,7 @@ from .checkpoint import DTYPE_SIZE, Checkpoint, SourceTensor, checkpoint_inputs,
 from ..constants import HF_TEXT_PREFIX, tname
 from ..errors import CheckpointError, ConfigError
 from ..gcutil import gc_paused
+from ..memory import peak_rss
 from ..gguf_io import (COPY_CHUNK, DirectSink, DiskRoom, FileRange, GGUFStreamWriter, OutTensor, Prefetch,
                        SourceFiles, check_free_disk, check_output_paths, check_split_max_size, disk_bytes, disk_room,
                        split_paths, stale_partials, tensor_nbytes, written_paths)
@@ -614,11 +614,3 @@ def _text_config(hf_dir: Path) -> dict:
     merged = {k: v for k, v in raw.items() if k != "text_config"}
     merged.update(raw.get("text_config") or {})
     return merged
-
-
-def peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def group_counts(plan: Plan) -> Counter:
-    return Counter(t.rule.group for t in plan.tensors)

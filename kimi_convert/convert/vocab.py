@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 import os
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
@@ -32,12 +31,10 @@ from typing import Any
 import gguf
 
 from .chat_template import K3_CHAT_TEMPLATE
-from .checkpoint import read_input
+from .checkpoint import CHAT_TEMPLATE_FILE, TIKTOKEN_FILE, TOKENIZER_CONFIG_FILE
+from ..inputs import read_input, read_json
 from ..errors import KimiError
 
-TIKTOKEN_FILE = "tiktoken.model"
-TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
-CHAT_TEMPLATE_FILE = "chat_template.jinja"
 MAX_TOKENIZER_FILE_BYTES = 256 << 20     # read whole: the real K3's tiktoken.model is 2.8 MB, its config 0.2 MB
 
 # the Kimi tokenizer reserves this many special ids right after the ranked tokens
@@ -318,13 +315,7 @@ def _unicode_table() -> dict[int, str]:
 
 
 def _read_tokenizer_config(path: Path) -> dict:
-    text = read_input(path, MAX_TOKENIZER_FILE_BYTES, VocabError, missing="missing (it names the special tokens)")
-    try:
-        config = json.loads(text)
-    except RecursionError:
-        raise VocabError(f"{path}: not valid JSON: nested too deeply") from None
-    except ValueError as e:         # json.JSONDecodeError, an integer of over 4300 digits
-        raise VocabError(f"{path}: not valid JSON: {e}") from None
+    config = read_json(path, MAX_TOKENIZER_FILE_BYTES, VocabError, missing="missing (it names the special tokens)")
     if not isinstance(config, dict):
         raise VocabError(f"{path}: expected a JSON object")
     return config

@@ -40,7 +40,7 @@ from ..errors import CheckpointError
 from ..paths import Input
 from ..gcutil import gc_paused        # full collections over 500k new objects find nothing
 from .qtypes import Q2_0, QUANT_SIZES, TYPES_BY_ID
-from .writer import COPY_CHUNK, FileRange, tensor_nbytes
+from .chunks import COPY_CHUNK, FileRange, tensor_nbytes
 
 VT = GGUFValueType
 _SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")

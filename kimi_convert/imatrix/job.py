@@ -35,6 +35,7 @@ from ..engine.states import TokenStates
 from ..engine.tokens import TextInputError, chunk_tokens, model_tokenizer, text_tokens
 from ..engine.weights import open_source
 from ..errors import DiskSpaceError, Interrupted, OutputError
+from ..memory import peak_rss
 from ..paths import Input, Output, refuse_overlap
 from ..quant.imatrix import ImatrixError
 
@@ -96,11 +97,6 @@ def identity(opts: ImatrixOptions, ids: np.ndarray) -> dict:
 
 def work_dir(out: Path) -> Path:
     return out.parent / f".{out.name}.imatrix-work"
-
-
-def peak_rss() -> int:
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 class ImatrixRun:

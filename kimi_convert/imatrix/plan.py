@@ -265,7 +265,7 @@ def _over(nbytes: float, rate: float) -> float:
 
 
 def dry_run_plan(run) -> ImatrixPlan:
-    from .job import peak_rss
+    from ..memory import peak_rss
     source, cfg, opts = run.source, run.cfg, run.opts
     tokens, ctx = run.n_tokens, opts.ctx
     names = _read_names(source, opts.process_output)

@@ -30,6 +30,7 @@ from ..engine.states import TokenStates
 from ..engine.tokens import TextInputError, chunk_tokens, model_tokenizer, text_tokens
 from ..engine.weights import WeightSource, open_source
 from ..errors import KimiError
+from ..memory import peak_rss
 from ..imatrix.plan import ATTN_SLAB_BYTES, default_state_ram
 from ..paths import Input, Output, refuse_overlap
 
@@ -189,7 +190,6 @@ class KldRun:
                 os.replace(work / "base.kld", opts.save_base)
         finally:
             shutil.rmtree(work, ignore_errors=True)
-        from ..imatrix.job import peak_rss
         return KldResult(self.n_chunks, self.ctx, stats.summary() if stats else None, stats, base_ppl, passes,
                          time.time() - started, peak_rss())
 

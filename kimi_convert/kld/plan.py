@@ -56,8 +56,8 @@ def _pass_plan(run, source) -> ImatrixPlan:
 
 
 def kld_plan(run) -> KldPlan:
-    models = [(run.opts.base, run.base_source), (run.opts.quant, run.quant_source)]
-    passes = {str(m): _pass_plan(run, s) for m, s in models if s is not None}
+    models = [("base", run.opts.base, run.base_source), ("quant", run.opts.quant, run.quant_source)]
+    passes = {f"{which} {m}": _pass_plan(run, s) for which, m, s in models if s is not None}
     cfg = (run.quant_source or run.base_source).config
     header = BaseHeader(run.ctx, cfg.n_vocab, run.n_chunks)
     scored = header.scored * run.n_chunks

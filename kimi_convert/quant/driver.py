@@ -25,6 +25,7 @@ from ..gguf_io import (MOSTLY_Q2_0, Q2_0, Chunk, GGUFFile, GGUFStreamWriter, GGU
 from ..paths import Input, Report, refuse_overlap
 from ..model import KimiConfig
 from ..tensor_map import ggml_n_dims, gguf_group
+from .imatrix import Imatrix, coverage_lines
 from .mixtures import PURE_FILE_TYPE, ModelFacts
 from .plan import Decision, NonFiniteWeightError, QuantizeError, QuantPlan, check_can_write, plan_quantization
 from .policy import Policy
@@ -93,7 +94,7 @@ def metadata(stored: Iterable[tuple], ftype: int, extra: list[tuple[str, object,
     return out + [(k, v, t, None) for k, (v, t) in set_here.items()]
 
 
-def quantize_file(src: Path, out: Path, policy: Policy, *, imatrix=None, allow_requantize: bool = False,
+def quantize_file(src: Path, out: Path, policy: Policy, *, imatrix: Imatrix | None = None, allow_requantize: bool = False,
                   strict: bool = False, force: bool = False, split_max_size: int = 0, keep_split: bool = False,
                   threads: int = 0, on_bytes: Callable[[int], None] = lambda n: None,
                   log: Callable[[str], None] = lambda s: None, resume: bool = False,
@@ -106,7 +107,7 @@ def quantize_file(src: Path, out: Path, policy: Policy, *, imatrix=None, allow_r
     reads = run_inputs(gf.paths[0], policy, imatrix)
     notes: list[str] = []
     vectors = imatrix_vectors(plan, imatrix, notes) if imatrix is not None else {}
-    check_can_write(plan, vectors.shapes if imatrix is not None else None, getattr(imatrix, "path", ""))
+    check_can_write(plan, vectors.shapes if imatrix is not None else None, imatrix.path if imatrix is not None else "")
     preflight(gf, plan, Path(out), force=force, split_max_size=split_max_size, log=log, keep_split=keep_split,
               reads=reads, reports=[r for r, _ in reports])
     extra = imatrix.metadata() if imatrix is not None else []
@@ -134,7 +135,7 @@ def ggml_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     return shape[len(shape) - ggml_n_dims(shape):]
 
 
-def run_inputs(src: Path, policy: Policy, imatrix=None) -> list[Input]:
+def run_inputs(src: Path, policy: Policy, imatrix: Imatrix | None = None) -> list[Input]:
     """Every file a run of kimi-quantize reads: the GGUF (all its parts), the policy's files, the imatrix."""
     return [*gguf_inputs(src), *policy.inputs, *([Input(Path(imatrix.path), "imatrix")] if imatrix is not None else [])]
 
@@ -153,9 +154,8 @@ def preflight(gf: GGUFFile, plan: QuantPlan, out: Path, *, force: bool, split_ma
     check_free_disk(disk_room(plan.target_bytes, out, sum(disk_bytes(p) for p in stale)))
 
 
-def imatrix_coverage(plan: QuantPlan, imatrix) -> list[str]:
+def imatrix_coverage(plan: QuantPlan, imatrix: Imatrix) -> list[str]:
     """Per layer, how many experts of each quantized tensor had no data (llama.cpp: quantized with 1.0)."""
-    from .imatrix import coverage_lines     # noqa: PLC0415
     return coverage_lines(imatrix.coverage((d.name, d.shape) for d in plan.decisions if not d.copied))
 
 
@@ -164,7 +164,7 @@ class ImatrixVectors:
     llama-quantize does for every one (Q8_0 then ignores it), and read from the file only when `get` asks
     for it: a K3 imatrix is GBs, and a run holds one tensor's vector at a time."""
 
-    def __init__(self, plan: QuantPlan, imatrix, notes: list[str]):
+    def __init__(self, plan: QuantPlan, imatrix: Imatrix, notes: list[str]):
         self.imatrix = imatrix
         self.shapes = {d.name: d.shape for d in plan.decisions
                        if not d.copied and imatrix.has_vector(d.name, d.shape, on_skip=notes.append)}
@@ -173,7 +173,7 @@ class ImatrixVectors:
         return self.imatrix.vector(name, self.shapes[name]) if name in self.shapes else None
 
 
-def imatrix_vectors(plan: QuantPlan, imatrix, notes: list[str]) -> ImatrixVectors:
+def imatrix_vectors(plan: QuantPlan, imatrix: Imatrix, notes: list[str]) -> ImatrixVectors:
     return ImatrixVectors(plan, imatrix, notes)
 
 

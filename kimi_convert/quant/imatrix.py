@@ -241,7 +241,7 @@ def coverage_lines(rows: Iterable[CoverageRow]) -> list[str]:
 def load_imatrix(path: str | os.PathLike) -> Imatrix:
     """Read and check an imatrix in either format. Pass the path as the user typed it: llama-quantize
     records that string in quantize.imatrix.file."""
-    from ..convert.checkpoint import open_input      # a regular file only: a FIFO would block every read forever
+    from ..inputs import open_input      # a regular file only: a FIFO would block every read forever
     spelled = os.fspath(path)
     with open_input(Path(spelled), ImatrixError, missing="cannot read the imatrix (No such file or directory)") \
             as (fd, _):

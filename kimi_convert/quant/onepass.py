@@ -23,6 +23,7 @@ from gguf import GGMLQuantizationType as QT
 from ..errors import CheckpointError
 from ..gguf_io import Chunk, FileRange, OutTensor, tensor_nbytes
 from .driver import CHUNK_VALUES, ImatrixVectors, file_type, ggml_shape, metadata, tensor_chunks
+from .imatrix import Imatrix
 from .mixtures import ModelFacts
 from .plan import NonFiniteWeightError, QuantPlan, check_can_write, plan_quantization
 from .policy import Policy
@@ -35,7 +36,7 @@ class OnePass:
     """What `--policy` adds to a conversion: the decisions, the imatrix vectors and the output keys."""
     policy: Policy
     plan: QuantPlan
-    imatrix: object | None = None          # quant.imatrix.Imatrix
+    imatrix: Imatrix | None = None
     vectors: ImatrixVectors | None = None
     notes: list[str] = field(default_factory=list)    # imatrix entries missing or skipped
     threads: int = 0                       # quantizer threads; 0: every CPU available
@@ -48,7 +49,7 @@ class OnePass:
         written (writable types, the imatrix entries its types need), as kimi-quantize checks them."""
         self.policy.check_requirements(imatrix=self.imatrix is not None, allow_requantize=self.allow_requantize)
         check_can_write(self.plan, self.vectors.shapes if self.vectors is not None else None,
-                        getattr(self.imatrix, "path", ""))
+                        self.imatrix.path if self.imatrix is not None else "")
 
     @property
     def sizes(self) -> list[int]:

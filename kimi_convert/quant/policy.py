@@ -478,5 +478,5 @@ MAX_POLICY_BYTES = 16 << 20     # a policy or tensor-type file is a few KB; this
 
 def _read_text(path: Path, what: str) -> str:
     """A policy or tensor-type file's text: a regular file only (a FIFO would block the read forever), UTF-8."""
-    from ..convert.checkpoint import read_input
+    from ..inputs import read_input
     return read_input(path, MAX_POLICY_BYTES, PolicyError, missing=f"{what} not found")

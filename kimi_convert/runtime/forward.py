@@ -20,7 +20,6 @@ recurrence is a per-token loop vectorised over heads.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -32,6 +31,7 @@ from ..errors import CheckpointError
 from ..gguf_io import GGUFFile, dequantize, open_gguf
 from ..model import KimiConfig
 from ..tensor_map import gguf_tensors
+from .margins import RoutingMargins
 
 F32, F64 = np.float32, np.float64
 OUTPUT_CHUNK_ROWS = 8192       # rows of `output` / vocab dequantised at a time
@@ -449,44 +449,6 @@ class MatmulHook(Protocol):
     """
 
     def __call__(self, name: str, key: int | tuple[int, int], x: np.ndarray) -> np.ndarray: ...
-
-
-@dataclass
-class RoutingMargins:
-    """Discrete-choice gaps of the last run, to flag near-ties (§4.3).
-
-    moe[il][t]: k-th selected minus best rejected biased router score.
-    dsa[il][t]: last kept minus best dropped indexer score; NaN where t+1 <= top_k.
-    experts[il] [T, k]: the selected experts; kept[il] [T, T]: the tokens the indexer kept.
-    """
-    n_tokens: int = 0
-    moe: dict[int, np.ndarray] = field(default_factory=dict)
-    dsa: dict[int, np.ndarray] = field(default_factory=dict)
-    experts: dict[int, np.ndarray] = field(default_factory=dict)
-    kept: dict[int, np.ndarray] = field(default_factory=dict)
-
-    def same_choices_until(self, other: "RoutingMargins") -> int:
-        """The number of leading positions at which both runs made the same discrete choices."""
-        n = self.n_tokens
-        for il, sel in self.experts.items():
-            diff = np.flatnonzero((np.sort(sel, 1) != np.sort(other.experts[il], 1)).any(1))
-            n = min(n, diff[0]) if len(diff) else n
-        for il, keep in self.kept.items():
-            diff = np.flatnonzero((keep != other.kept[il]).any(1))
-            n = min(n, diff[0]) if len(diff) else n
-        return int(n)
-
-    def smallest(self) -> tuple[str, int, int, float] | None:
-        """(kind, layer, position, gap) of the closest call, or None if nothing was chosen."""
-        best = None
-        for kind, per_layer in (("moe", self.moe), ("dsa", self.dsa)):
-            for il, gaps in per_layer.items():
-                if np.isnan(gaps).all():
-                    continue
-                t = int(np.nanargmin(gaps))
-                if best is None or gaps[t] < best[3]:
-                    best = (kind, il, t, float(gaps[t]))
-        return best
 
 
 class Runtime:

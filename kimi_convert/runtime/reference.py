@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from .margins import RoutingMargins
+
 __all__ = ["ReferenceModel", "dequantize_mxfp4", "E2M1_VALUES", "ReferenceConfig"]
 
 # Checkpoints up to this size are decoded once and kept (fixtures, small slices); bigger ones are
@@ -507,8 +509,8 @@ class ReferenceModel:
         weight_overrides: HF name -> rows of float32 values used instead of that stored tensor (see
             WeightOverrides); every name must be a tensor of the checkpoint.
 
-    After each forward, `last_routing_margins` is
-        {"moe": {layer: Tensor[T]}, "dsa": {layer: Tensor[T]}}   (0-based layer ids)
+    After each forward, `last_routing_margins` is a RoutingMargins (runtime.margins, as the runtime's):
+        .moe {layer: float32 [T]}, .dsa {layer: float32 [T]}   (0-based layer ids)
     "moe": biased score of the k-th selected expert minus the best rejected one (inf if nothing is rejected);
     "dsa": indexer score of the top_k-th kept key minus the best dropped one, NaN where t+1 <= top_k.
     Small margins flag positions where a selection can flip under rounding.
@@ -541,7 +543,7 @@ class ReferenceModel:
         self._layer_cache: dict[int, dict] = {}
         self._expert_cache: dict[tuple[int, int], tuple] = {}
         self._global_cache: dict[str, torch.Tensor] = {}
-        self.last_routing_margins: dict[str, dict[int, torch.Tensor]] = {"moe": {}, "dsa": {}}
+        self.last_routing_margins = RoutingMargins()
         missing = [i for i in range(self.cfg.n_layers) if i not in self.ckpt.layers]
         if missing:
             raise ValueError(f"no tensors for layers {missing} in {self.hf_dir}")
@@ -626,7 +628,7 @@ class ReferenceModel:
         ids = torch.as_tensor(list(token_ids), dtype=torch.long)
         if ids.dim() != 1 or ids.numel() == 0:
             raise ValueError("token_ids must be a non-empty list of ints")
-        margins: dict[str, dict[int, torch.Tensor]] = {"moe": {}, "dsa": {}}
+        margins = RoutingMargins(n_tokens=len(ids))
         per_layer = []
 
         P = self._embed(ids)  # running block sum; starts as the embedding
@@ -644,7 +646,7 @@ class ReferenceModel:
                 dsa_top_k = self.top_k if (il in cfg.dsa_layers and self.use_indexer) else None
                 o, m = mla_attention(h, w, cfg, mla_eps=self.mla_eps, dsa_top_k=dsa_top_k)
                 if m is not None:
-                    margins["dsa"][il] = m
+                    margins.dsa[il] = m.numpy()
             else:
                 o = kda_attention(h, w, cfg)
             P = o if seal else P + o  # a new block's sum restarts from the attention output
@@ -653,7 +655,7 @@ class ReferenceModel:
             h2 = rms_norm(f, w["post_attention_layernorm.weight"], eps)
             if "block_sparse_moe.gate.weight" in w:
                 ff, m = latent_moe(h2, w, cfg, lambda e, il=il: self._expert(il, e))
-                margins["moe"][il] = m
+                margins.moe[il] = m.numpy()
             else:
                 ff = dense_ffn(h2, w, cfg)
             P = P + ff

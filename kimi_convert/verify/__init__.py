@@ -1,2 +1,2 @@
-"""Verification: kimi-verify check (check: tensors, metadata, logits, K3.1 indexer, perplexity, cost) and
-slice (an N-layer checkpoint cut from a real one)."""
+"""Verification: kimi-verify check (check.verify, its parts in report, logits, structure, tensors, weights,
+metadata, lone and runs) and slice (an N-layer checkpoint cut from a real one)."""

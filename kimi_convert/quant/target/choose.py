@@ -116,7 +116,7 @@ def choose_decided(decisions: Decisions, budget_bytes: int, rows: RowReader, bas
         measure = sensitivity.describe()
     solution = split_solve(decisions, points, budget_bytes, gpu_budget)
     return _choice(decisions, points, solution, budget, budget_bytes, source, base, allow_requantize,
-                   f"imatrix {getattr(imat, 'path', '?')}", expert_share, measure)
+                   f"imatrix {imat.path}", expert_share, measure)
 
 
 def _dense(decisions: Decisions) -> Decisions:

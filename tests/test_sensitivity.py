@@ -1,0 +1,123 @@
+"""--sensitivity kld (kimi_convert/quant/target/sensitivity.py) on the trained K3 fixture: a decision's measured KL
+cost is the output's divergence with that decision alone quantized (the layers after it run once for all its
+types, equal to running each type alone), it orders types by what they lose, embeddings and the output head are
+measured through their own paths, and the solver spends the budget by these costs and nothing else."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+from kimi_convert.convert.converter import build_plan, convert
+from kimi_convert.engine.tokens import chunk_tokens, model_tokenizer, text_tokens
+from kimi_convert.fixtures import trained
+from kimi_convert.fixtures.imatrix import k3_entries, write_gguf_imatrix
+from kimi_convert.gguf_io import open_gguf
+from kimi_convert.quant.driver import plan_file
+from kimi_convert.quant.imatrix import load_imatrix
+from kimi_convert.quant.target.budget import parse_budget
+from kimi_convert.quant.target.choose import choose, no_base
+from kimi_convert.quant.target.sensitivity import KldCosts, Sensitivity
+from kimi_convert.quant.target.units import split_decisions
+
+CHUNKS = 2
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sensitivity")
+    gguf = d / "k3.gguf"
+    convert(build_plan(trained.write(d / "hf", "k3"), "bf16"), gguf)
+    gf = open_gguf(gguf)
+    shapes = {n: tuple(t.shape) for n, t in gf.tensors.items()}
+    imatrix = load_imatrix(write_gguf_imatrix(d / "imatrix.gguf", k3_entries(shapes), chunk_size=128))
+    text = d / "train.txt"
+    text.write_text(trained.read_text("heldout")[:60_000])
+    ids = chunk_tokens(text_tokens(text, model_tokenizer(gguf)), 128, CHUNKS, None, text)
+    plan = plan_file(gf, no_base(), allow_requantize=True, imatrix=True)
+    units = {u.key: u for u in split_decisions(plan, lambda d: imatrix.has_vector(d.name, d.shape),
+                                               allow_requantize=True).units}
+    return gguf, imatrix, text, ids, units
+
+
+def test_types_run_together_equal_each_alone_and_fewer_bits_lose_more(model):
+    gguf, imatrix, _, ids, units = model
+    sens = Sensitivity(gguf, ids, imatrix)
+    unit = units["blk.2.ffn_gate_up_exps"]
+    joined = sens.costs(unit, [QT.IQ1_S, QT.Q4_K, unit.source])
+    alone = {t: Sensitivity(gguf, ids, imatrix)._measure(unit, [t])[0] for t in (QT.IQ1_S, QT.Q4_K)}
+    for t, v in alone.items():
+        assert joined[t] == pytest.approx(v, rel=1e-3, abs=1e-7), t
+    assert joined[unit.source] == 0.0                              # keeping the stored type loses nothing
+    assert joined[QT.IQ1_S] > 3 * joined[QT.Q4_K] > 0
+
+
+def test_embedding_and_output_have_their_own_paths(model):
+    gguf, imatrix, _, ids, units = model
+    sens = Sensitivity(gguf, ids, imatrix)
+    out = sens.costs(units["output.weight"], [QT.Q2_K, QT.Q8_0])
+    emb = sens.costs(units["token_embd.weight"], [QT.Q2_K])
+    assert out[QT.Q2_K] > 10 * out[QT.Q8_0] > 0
+    assert emb[QT.Q2_K] > 0
+
+
+def test_costs_are_cached_by_model_tokens_and_type(model, tmp_path):
+    gguf, imatrix, _, ids, units = model
+    unit = units["blk.3.attn_q_b.weight"]
+    first = Sensitivity(gguf, ids, imatrix, cache_dir=tmp_path)
+    a = first.costs(unit, [QT.Q2_K])
+    second = Sensitivity(gguf, ids, imatrix, cache_dir=tmp_path)
+    assert second.costs(unit, [QT.Q2_K]) == a and (second.measured, second.cached) == (0, 1)
+    other = Sensitivity(gguf, ids[:1], imatrix, cache_dir=tmp_path)         # other tokens: measured again
+    other.costs(unit, [QT.Q2_K])
+    assert other.measured == 1
+
+
+class Stated:
+    """Costs stated, not measured: one decision loses nothing at its smallest type, every other one loses
+    in proportion to the bits it gives up."""
+
+    def __init__(self, free: str):
+        self.free, self.asked = free, []
+
+    def __call__(self, units, types):
+        self.asked = [(u.key, ts) for u, ts in zip(units, types)]
+        out = []
+        for u, ts in zip(units, types):
+            top = u.nbytes(u.candidates[-1])
+            out.append({t: 0.0 if (u.key == self.free or t == u.source) else (top - u.nbytes(t)) / top * 1e3
+                        for t in ts})
+        return out
+
+    def describe(self) -> str:
+        return "stated costs (test)"
+
+
+def test_the_solver_spends_the_budget_by_the_measured_costs(model):
+    gguf, imatrix, *_ = model
+    gf = open_gguf(gguf)
+    free = "blk.1.ffn_down_exps"
+    stated = Stated(free)
+    choice = choose(gf, no_base(), parse_budget("12MB", None), imatrix, allow_requantize=True, sensitivity=stated)
+    assert "stated costs (test)" in choice.text                      # the policy says what it was chosen by
+    asked = dict(stated.asked)
+    smallest = asked[free][0]                                              # the hull is ordered by bytes
+    plan = plan_file(gf, choice.policy, allow_requantize=True, imatrix=True)
+    chosen = {d.name: d.target for d in plan.decisions}
+    assert chosen["blk.1.ffn_down_exps.weight"] == smallest                # free: the smallest type it was offered
+    assert chosen["blk.2.ffn_down_exps.weight"] != smallest                # the same tensor elsewhere is not free
+    assert choice.nbytes <= 12_000_000
+    units = {u.key: u for u in split_decisions(plan_file(gf, no_base(), allow_requantize=True, imatrix=True),
+                                               lambda d: imatrix.has_vector(d.name, d.shape),
+                                               allow_requantize=True).units}
+    for key, ts in stated.asked:                             # offered: the weight errors' hull, smallest first
+        sizes = [units[key].nbytes(t) for t in ts]
+        assert set(ts) <= set(units[key].candidates) and sizes == sorted(sizes), key
+
+
+def test_kld_costs_describe_what_they_measured(model):
+    gguf, imatrix, text, ids, units = model
+    costs = KldCosts(Sensitivity(gguf, ids, imatrix), text)
+    assert f"{CHUNKS} chunks of 128 tokens of {text}" in costs.describe()
