@@ -35,6 +35,7 @@ from png_plot import Series, scatter_png  # noqa: E402
 
 CTX = 128
 SENSITIVITY_CHUNKS = 8          # chunks of 128 training-text tokens --sensitivity kld measures on
+SENSITIVITY = True              # --no-sensitivity: only the weight-error budgets (and no rank correlation)
 MIXTURES = ["Q4_K_M", "Q3_K_M", "Q2_K", "IQ2_M", "IQ2_XXS", "IQ1_M", "IQ1_S", "MXFP4_MOE"]
 EXPERT_TYPES = ["Q4_K", "IQ4_XS", "Q3_K", "IQ3_S", "IQ3_XXS", "Q2_K", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S"]
 
@@ -133,7 +134,7 @@ def build(arch: str, chunks: int, n_budgets: int, work: Path, log, prior: dict |
             SENSITIVITY_CHUNKS]
     for b in np.linspace(floor, top, n_budgets):
         budget = int(b)
-        for family, extra in (("--target-size", []), ("--target-size --sensitivity kld", sens)):
+        for family, extra in (("--target-size", []), ("--target-size --sensitivity kld", sens))[:2 if SENSITIVITY else 1]:
             if f"{family} {budget:,}" in prior:
                 rows.append(prior[f"{family} {budget:,}"])
                 continue
@@ -141,7 +142,8 @@ def build(arch: str, chunks: int, n_budgets: int, work: Path, log, prior: dict |
             out = make(work, gguf, imatrix, f"target-{tag}{budget}", ["--target-size", str(budget), *extra])
             rows.append(measure(Row(f"{family} {budget:,}", family, out.stat().st_size), base, out))
             log(f"{rows[-1].name:60s} {rows[-1].nbytes:>12,} B  KLD {rows[-1].kld:.5f} ± {rows[-1].kld_2se:.5f}")
-    return rows, {"floor": floor, "ceiling": ceiling, "top_budget": top, "correlation": correlation(gguf, imatrix, work, log)}
+    return rows, {"floor": floor, "ceiling": ceiling, "top_budget": top,
+                  "correlation": correlation(gguf, imatrix, work, log) if SENSITIVITY else None}
 
 
 def correlation(gguf: Path, imatrix: Path, work: Path, log) -> dict:
@@ -257,7 +259,10 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "quality")
     ap.add_argument("--work", type=Path, default=None, help="keep the files here (a rerun reuses them)")
     ap.add_argument("--rows-from", type=Path, default=None, help="take the rows of this earlier JSON as measured")
+    ap.add_argument("--no-sensitivity", action="store_true", help="skip --sensitivity kld and the correlation")
     args = ap.parse_args()
+    global SENSITIVITY
+    SENSITIVITY = not args.no_sensitivity
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="bench-quality-") as tmp:

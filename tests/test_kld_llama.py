@@ -12,7 +12,9 @@ What is asserted (docs/verification.md, "kimi-verify kld"):
 - every percentile (no uncertainty printed): llama-perplexity's value is our sorted per-token value at a rank
   within two binomial standard errors of the percentile's rank (an order statistic's own sampling spread,
   sqrt(n p (1-p)) ranks), or within 1% of ours; dp is printed in percent with three decimals, so half a unit of
-  that print is allowed too, and a KLD 5% of the base file's 16-bit step (the minimum sits on that floor).
+  that print is allowed too, and a KLD 5% of the base file's 16-bit step (the minimum sits on that floor). The
+  minimum and maximum are single tokens: they may also differ by twice the largest per-token difference our
+  quantized pass shows between the two base files (the engines' own difference, measured).
 """
 from __future__ import annotations
 
@@ -88,6 +90,11 @@ def test_percentiles_agree_within_their_sampling_spread(files, which, what):
     *_, llama, ours, on_llama_base = files
     kld, dp = (ours if which == "our base file" else on_llama_base).stats.sorted_values()
     values = (kld if what == "KLD" else 100 * dp).astype(np.float64)
+    # the engines' own per-token difference, seen between the two base files (our quantized pass against each):
+    # an extreme is one token, whose value moves by that much between llama.cpp's pass and ours
+    per_token = [np.concatenate(r.stats.kld_values if what == "KLD" else r.stats.p_diff_values)
+                 * (1 if what == "KLD" else 100) for r in (ours, on_llama_base)]
+    noise = float(np.abs(per_token[0] - per_token[1]).max())
     n = len(values)
     # dp: half the last printed digit (percent, three decimals); KLD: 5% of the base file's log-probability step
     # (16/65535 nats), the floor where a token's KLD is the 16-bit storage's rounding (the minimum sits on it)
@@ -98,7 +105,7 @@ def test_percentiles_agree_within_their_sampling_spread(files, which, what):
         k = math.ceil(2 * math.sqrt(n * max(p * (1 - p), 1 / n))) + 1
         r = p * (n - 1)
         lo, hi = values[max(0, math.floor(r) - k)], values[min(n - 1, math.ceil(r) + k)]
-        slack = 0.01 * max(abs(lo), abs(hi)) + resolution
+        slack = 0.01 * max(abs(lo), abs(hi)) + resolution + (2 * noise if p in (0.0, 1.0) else 0.0)
         if not lo - slack <= want <= hi + slack:
             bad.append((name, want, float(lo), float(hi)))
     assert not bad, bad
