@@ -217,9 +217,21 @@ class ShapeSource:
         return np.zeros(self.shape(name)[1:], np.float32)
 
 
+_LAYER_SECONDS: dict[tuple, dict[tuple[bool, bool], float]] = {}
+
+
 def measure_layer_seconds(source, ctx: int) -> dict[tuple[bool, bool], float]:
     """Seconds a token of one chunk takes through one layer of each kind (KDA or MLA, dense or MoE), everything
-    but the routed experts, at the model's widths, measured here now on zero weights (no file is read)."""
+    but the routed experts, at the model's widths, measured here now on zero weights (no file is read). Shapes
+    and types decide it, so a second model of the same ones (kimi-verify kld's other pass) is not timed again."""
+    key = (ctx, tuple(sorted((n, tuple(source.shape(n)), int(source.qtype(n))) for n in source.names()
+                             if not n.endswith("_exps.weight"))))
+    if key not in _LAYER_SECONDS:
+        _LAYER_SECONDS[key] = _time_layers(source, ctx)
+    return _LAYER_SECONDS[key]
+
+
+def _time_layers(source, ctx: int) -> dict[tuple[bool, bool], float]:
     from ..engine.forward import Engine
     from ..engine.states import TokenStates
     from .collect import ImatrixStats
