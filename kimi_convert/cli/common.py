@@ -220,3 +220,18 @@ class progress_bar:
 
     def __exit__(self, *exc):
         self.bar.stop()
+
+
+def show_plan(plan, report, dry_run: bool) -> bool:
+    """A job's plan (kimi-imatrix, kimi-verify kld): printed whole under --dry-run, and given to --json, or else
+    its one-line summary before the run. True when the command ends here."""
+    if dry_run:
+        for line in plan.lines():
+            output.print(line, highlight=False, markup=False)
+        if report:
+            import json
+            report.deliver(json.dumps(plan.as_json(), indent=2) + "\n")
+        return True
+    note(plan.summary())
+    return False
+

@@ -20,7 +20,7 @@ import typer
 
 from ..errors import Interrupted, KimiError
 from .common import (check_count, console, debug_option, fail, human, interrupted, interrupts_raise, note, output,
-                     parse_size, reading, run_app, typer_app)
+                     parse_size, reading, run_app, show_plan, typer_app)
 
 app = typer_app(help=__doc__)
 MAX_THREADS = 1024
@@ -76,13 +76,8 @@ def imatrix(
             refuse_overlap(run.inputs(), [*(run.outputs() if out else []), *reports])
             report = held.enter_context(closing(Report(json_file, force))) if json_file else None
             plan = dry_run_plan(run)
-            if dry_run:
-                for line in plan.lines():
-                    output.print(line, highlight=False, markup=False)
-                if report:
-                    report.deliver(json.dumps(plan.as_json(), indent=2) + "\n")
+            if show_plan(plan, report, dry_run):
                 return
-            note(plan.summary())
             result = run.run(on_layer=lambda r, eta: _progress(r, eta, run))
             for c in result.coverage:
                 note(c.line())

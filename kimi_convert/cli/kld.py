@@ -18,7 +18,7 @@ import typer
 
 from ..errors import Interrupted, KimiError
 from .common import (check_count, console, fail, human, interrupted, interrupts_raise, note, output, parse_size,
-                     reading)
+                     reading, show_plan)
 from .imatrix import MAX_THREADS, check_device
 
 
@@ -66,13 +66,8 @@ def kld_cmd(
             refuse_overlap(run.inputs(), [*run.outputs(), *reports])
             report = held.enter_context(closing(Report(json_file, force))) if json_file else None
             plan = plan_of(run)
-            if dry_run:
-                for line in plan.lines():
-                    output.print(line, highlight=False, markup=False)
-                if report:
-                    report.deliver(json.dumps(plan.as_json(), indent=2) + "\n")
+            if show_plan(plan, report, dry_run):
                 return
-            note(plan.summary())
             result = run.run(on_layer=_progress(run), on_chunk=_chunk_printer())
             _print_result(run, result)
             if report:
