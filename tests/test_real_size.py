@@ -490,14 +490,23 @@ def test_work_estimate_at_real_widths(real_widths, outtype, first, measured, map
     assert used - MiB <= p.work_bytes <= 1.35 * used, (measured, used / MiB, p.work_bytes / MiB)
 
 
+def stdlib_text(path: Path) -> Path:
+    """About 100k tokens of text every machine has: six standard-library modules' source."""
+    import argparse, ast, collections, difflib, inspect, pydoc, typing
+    path.write_text("".join(inspect.getsource(m) for m in (argparse, ast, collections, difflib, pydoc, typing)))
+    return path
+
+
+def text_model_bytes(ckpt) -> int:
+    """The checkpoint's bytes without the vision tower and projector (what the streamed engine may read)."""
+    return sum(t.nbytes for t in ckpt.tensors.values() if not t.name.startswith(("vision_tower.", "mm_projector.")))
+
+
 def test_imatrix_dry_run_on_the_real_k3_at_100k_tokens(real_k3, tmp_path):
     """kimi-imatrix --dry-run on the real K3 at 200 chunks of 512 tokens: it reads the text tensors' bytes (all
     but `output`, which only --process-output multiplies), holds 9 state vectors a token (the stream and 8 AttnRes
     banks) with those beyond the RAM budget spilled, and plans a peak under 64 GB. Nothing is written but --json."""
-    import inspect
-    import argparse, ast, collections, difflib, pydoc, typing
-    text = tmp_path / "calib.txt"
-    text.write_text("".join(inspect.getsource(m) for m in (argparse, ast, collections, difflib, pydoc, typing)))
+    text = stdlib_text(tmp_path / "calib.txt")
     report = tmp_path / "plan.json"
     code = "from kimi_convert.cli.imatrix import main; main()"
     p = subprocess.run([sys.executable, "-c", code, str(real_k3.path), "-f", str(text), "-o", str(tmp_path / "k3.im"),
@@ -506,8 +515,7 @@ def test_imatrix_dry_run_on_the_real_k3_at_100k_tokens(real_k3, tmp_path):
     assert p.returncode == 0, p.stderr
     plan = json.loads(report.read_text())
     ckpt = Checkpoint(real_k3.path)
-    text_bytes = sum(t.nbytes for t in ckpt.tensors.values() if not t.name.startswith(("vision_tower.",
-                                                                                        "mm_projector.")))
+    text_bytes = text_model_bytes(ckpt)
     head = sum(t.nbytes for t in ckpt.tensors.values() if t.name.endswith("lm_head.weight"))
     assert plan["bytes_read"] == text_bytes - head
     assert plan["tokens"] == 102_400
@@ -522,11 +530,8 @@ def test_kld_dry_run_on_the_real_k3_at_100k_tokens(real_k3, tmp_path):
     each reading every text tensor once (`output` too: the logits), the token states of one pass at a time, the
     base file's bytes (llama-perplexity's format: 2 bytes a vocabulary entry a scored token), a peak under 64 GB.
     Nothing is written but --json."""
-    import inspect
-    import argparse, ast, collections, difflib, pydoc, typing
     from kimi_convert.kld.basefile import BaseHeader
-    text = tmp_path / "eval.txt"
-    text.write_text("".join(inspect.getsource(m) for m in (argparse, ast, collections, difflib, pydoc, typing)))
+    text = stdlib_text(tmp_path / "eval.txt")
     report = tmp_path / "plan.json"
     code = "from kimi_convert.cli.verify import main; main()"
     p = subprocess.run([sys.executable, "-c", code, "kld", str(real_k3.path), str(real_k3.path), "-f", str(text),
@@ -535,8 +540,7 @@ def test_kld_dry_run_on_the_real_k3_at_100k_tokens(real_k3, tmp_path):
     assert p.returncode == 0, p.stderr
     plan = json.loads(report.read_text())
     ckpt = Checkpoint(real_k3.path)
-    text_bytes = sum(t.nbytes for t in ckpt.tensors.values() if not t.name.startswith(("vision_tower.",
-                                                                                        "mm_projector.")))
+    text_bytes = text_model_bytes(ckpt)
     assert plan["bytes_read"] == 2 * text_bytes
     assert len(plan["passes"]) == 2 and plan["chunks"] == 200
     assert plan["token_state_bytes"] == 102_400 * 7168 * 4 * 9

@@ -113,15 +113,20 @@ def _options(model, text, out, ctx, chunks, device, threads, output_format, in_f
         raise KimiError(f"--output-format {output_format!r}: must be gguf or dat")
     check_device(device)
     check_count(ctx, "--ctx", 16, 1 << 20, "Kimi-K3's context")
+    check_run_numbers(chunks, threads)
+    ram = parse_size(state_ram, "--state-ram") if state_ram is not None else None
+    return ImatrixOptions(Path(model), Path(text), Path(out) if out else None, ctx, chunks, device, output_format,
+                          tuple(Path(p) for p in in_file), process_output, resume, force, ram)
+
+
+def check_run_numbers(chunks, threads: int) -> None:
+    """--chunks and --threads of a streamed run (kimi-imatrix, kimi-verify kld); --threads sets torch's."""
     if chunks is not None:
         check_count(chunks, "--chunks", 1)
     check_count(threads, "--threads", 0, MAX_THREADS, "one OS thread each; 0 is all cores")
     if threads:
         import torch
         torch.set_num_threads(threads)
-    ram = parse_size(state_ram, "--state-ram") if state_ram is not None else None
-    return ImatrixOptions(Path(model), Path(text), Path(out) if out else None, ctx, chunks, device, output_format,
-                          tuple(Path(p) for p in in_file), process_output, resume, force, ram)
 
 
 def check_device(device: str) -> str:

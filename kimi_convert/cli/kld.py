@@ -19,7 +19,7 @@ import typer
 from ..errors import Interrupted, KimiError
 from .common import (check_count, console, fail, human, interrupted, interrupts_raise, note, output, parse_size,
                      reading, show_plan)
-from .imatrix import MAX_THREADS, check_device
+from .imatrix import check_device, check_run_numbers
 
 
 def kld_cmd(
@@ -91,12 +91,7 @@ def _engine():
 def _check_numbers(ctx, chunks, threads) -> None:
     if ctx is not None:
         check_count(ctx, "--ctx", 8, 1 << 20, "Kimi-K3's context")
-    if chunks is not None:
-        check_count(chunks, "--chunks", 1)
-    check_count(threads, "--threads", 0, MAX_THREADS, "one OS thread each; 0 is all cores")
-    if threads:
-        import torch
-        torch.set_num_threads(threads)
+    check_run_numbers(chunks, threads)
 
 
 def _progress(run):
