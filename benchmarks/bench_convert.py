@@ -2,9 +2,9 @@
 """Converter benchmark (not a test): kimi-convert at the real widths against `cat` and `cp`, and the one pass
 (`kimi-convert --policy P`) against the two-pass routes, each on real data written to disk.
 
-    python benchmarks/bench_convert.py [--experts 896] [--layers 1] [--repeats 2] [--caches cold,warm]
+    python benchmarks/bench_convert.py [--experts 896] [--layers 1] [--repeats 2] [--caches cold,warm] [--threads 1,2]
     python benchmarks/bench_convert.py --policy k3-native [--experts 256] [--repeats 2] [--caches warm]
-        common: [--workdir DIR] [--checkpoint DIR] [--keep]
+        common: [--workdir DIR] [--checkpoint DIR] [--keep] [--baseline OLD_CHECKOUT]
 
 The checkpoint (written here, or --checkpoint: one written by an earlier --keep run): `--layers` MoE layers at
 the real K3 widths (hidden 7168, 96 heads, q_lora 1536, kv_lora 512, the last layer MLA, the others KDA), each
@@ -16,7 +16,9 @@ E8M0 scales in 118..127, real bytes on disk (no sparse holes); a 1024-token voca
 Without --policy, per cache state, in the order cat, cp, convert, convert, cp, cat, ... (--repeats rounds):
   * `cat SHARDS > /dev/null`;
   * `cp SHARDS COPY/` to the same disk, then `sync` of the copies (the converter fsyncs its output);
-  * `kimi-convert HF OUT --force`.
+  * `kimi-convert HF OUT --force --threads N` for each N of --threads (the experts' repack and the manifest's
+    hashing run on N threads; the rate against N, and the rate per CPU-second of the converter, which is what
+    a machine of more cores and a faster disk multiplies).
 Cache states: cold-ish = the shards' pages dropped from the page cache before each run (posix_fadvise
 DONTNEED on these files only, so that the other processes of a shared machine keep theirs; pages another
 process holds stay); warm = the shards read before each run. The share of the shards in the page cache at the
@@ -189,9 +191,9 @@ def run_measured(cmd: list[str], env=None) -> Run:
     return run
 
 
-def tool_env() -> dict:
+def tool_env(repo: Path = REPO) -> dict:
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = str(repo) + os.pathsep + env.get("PYTHONPATH", "")
     env["COLUMNS"] = "200"
     return env
 
@@ -320,7 +322,9 @@ def bench_converter(a, hf: Path, root: Path, in_bytes: int) -> dict[str, dict[st
     files, out, copy_dir = shard_files(hf), root / "out.gguf", root / "cp-copy"
     table: dict[str, dict[str, Side]] = {}
     for cache in a.caches:
-        sides = table[cache] = {"cat": Side(), "cp + sync": Side(), "kimi-convert": Side()}
+        sides = table[cache] = {"cat": Side(), "cp + sync": Side(),
+                                **{f"kimi-convert -t{n}": Side() for n in a.threads},
+                                **({"baseline": Side()} if a.baseline else {})}
         order = [s for i in range(a.repeats) for s in (list(sides) if i % 2 == 0 else list(sides)[::-1])]
         for name in order:
             warmth = prepare(cache, files)
@@ -328,13 +332,16 @@ def bench_converter(a, hf: Path, root: Path, in_bytes: int) -> dict[str, dict[st
                 run = cat(files)
             elif name == "cp + sync":
                 run = cp_sync(files, copy_dir)
+            elif name == "baseline":
+                run = run_measured([sys.executable, "-m", "kimi_convert", str(hf), str(out), "--force"],
+                                   tool_env(a.baseline))
             else:
-                run = kimi_convert(hf, out)
+                run = kimi_convert(hf, out, "--threads", name.rsplit("-t", 1)[1])
                 log(f"    {check_expert_bits(hf, out)}")
             remove(out, copy_dir)
             sides[name].runs.append(run)
             sides[name].warmth.append(warmth)
-            log(f"  [{cache}, {100 * warmth:.0f}% cached] {name:12} {run.seconds:7.2f} s wall "
+            log(f"  [{cache}, {100 * warmth:.0f}% cached] {name:17} {run.seconds:7.2f} s wall "
                 f"({in_bytes / MB / run.seconds:5.0f} MB/s), CPU {run.cpu:6.2f} s, peak RSS {run.max_rss / MIB:5.0f} MiB")
     return table
 
@@ -342,16 +349,23 @@ def bench_converter(a, hf: Path, root: Path, in_bytes: int) -> dict[str, dict[st
 def summarize_converter(table: dict[str, dict[str, Side]], in_bytes: int, out_bytes: int) -> None:
     log(f"\nshards {in_bytes / GB:.2f} GB -> GGUF {out_bytes / GB:.2f} GB; best run of each side (and the median "
         f"wall time of its runs); MB/s of shard bytes")
-    log(f"{'cache':6} {'side':12} {'wall':>9} {'median':>9} {'MB/s':>6} {'CPU':>8} {'RSS':>8}  {'cached':>6}")
+    log(f"{'cache':6} {'side':17} {'wall':>9} {'median':>9} {'MB/s':>6} {'CPU':>8} {'RSS':>8}  {'cached':>6}")
     for cache, sides in table.items():
         for name, side in sides.items():
             r = side.best
-            log(f"{cache:6} {name:12} {r.seconds:7.2f} s {side.median:7.2f} s {in_bytes / MB / r.seconds:6.0f} "
+            log(f"{cache:6} {name:17} {r.seconds:7.2f} s {side.median:7.2f} s {in_bytes / MB / r.seconds:6.0f} "
                 f"{r.cpu:6.2f} s {r.max_rss / MIB:5.0f} MiB  {100 * side.warmth[side.runs.index(r)]:5.0f}%")
-        conv, conv_m = sides["kimi-convert"].best.seconds, sides["kimi-convert"].median
-        log(f"{cache:6} kimi-convert at {sides['cat'].best.seconds / conv:.2f}x of cat's speed, "
-            f"{sides['cp + sync'].best.seconds / conv:.2f}x of cp + sync's (medians: "
-            f"{sides['cat'].median / conv_m:.2f}x, {sides['cp + sync'].median / conv_m:.2f}x)")
+        for name in (n for n in sides if n.startswith("kimi-convert") or n == "baseline"):
+            conv, conv_m, cpu = sides[name].best.seconds, sides[name].median, sides[name].best.cpu
+            log(f"{cache:6} {name} at {sides['cat'].best.seconds / conv:.2f}x of cat's speed, "
+                f"{sides['cp + sync'].best.seconds / conv:.2f}x of cp + sync's (medians: "
+                f"{sides['cat'].median / conv_m:.2f}x, {sides['cp + sync'].median / conv_m:.2f}x); "
+                f"{in_bytes / MB / cpu:.0f} MB per CPU-second (user + sys)")
+        names = [n for n in sides if n == "baseline"] + [n for n in sides if n.startswith("kimi-convert")]
+        if len(names) > 1:
+            base = sides[names[0]].best.seconds
+            log(f"{cache:6} speed-up over {names[0]}: " + ", ".join(
+                f"{n} {base / sides[n].best.seconds:.2f}x" for n in names[1:]))
 
 
 def manifest_of(out: Path):
@@ -477,12 +491,16 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=1, help="MoE layers at the real widths (one shard each)")
     ap.add_argument("--repeats", type=int, default=2, help="timed runs of each side per cache state")
     ap.add_argument("--caches", help="cold,warm (default; warm with --policy)")
+    ap.add_argument("--threads", default="1,2", help="kimi-convert --threads values to time (default 1,2)")
+    ap.add_argument("--baseline", type=Path, help="also time the kimi-convert of this checkout (a git worktree "
+                    "of an earlier commit, say), with its defaults: the same shards, interleaved")
     ap.add_argument("--workdir", type=Path, default=Path("/work/bench-tmp"))
     ap.add_argument("--checkpoint", type=Path, help="use this checkpoint (written by an earlier --keep run)")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint written here")
     a = ap.parse_args(argv)
     a.experts = a.experts or (256 if a.policy else 896)
     a.caches = (a.caches or ("warm" if a.policy else "cold,warm")).split(",")
+    a.threads = [int(n) for n in a.threads.split(",")]
     spec = spec_for(a.layers, a.experts)
 
     a.workdir.mkdir(parents=True, exist_ok=True)

@@ -36,6 +36,9 @@ from png_plot import Series, scatter_png  # noqa: E402
 CTX = 128
 SENSITIVITY_CHUNKS = 8          # chunks of 128 training-text tokens --sensitivity kld measures on
 SENSITIVITY = True              # --no-sensitivity: only the weight-error budgets (and no rank correlation)
+# the sampled variant: the decisions of one layer of each kind measured (here layers 0, 1 and 2 of the 4; layer
+# 3's costed by its weight errors times what layer 1 measured of the same roles)
+SAMPLED, SAMPLED_LAYERS = "--target-size --sensitivity kld --sensitivity-layers", 1
 MIXTURES = ["Q4_K_M", "Q3_K_M", "Q2_K", "IQ2_M", "IQ2_XXS", "IQ1_M", "IQ1_S", "MXFP4_MOE"]
 EXPERT_TYPES = ["Q4_K", "IQ4_XS", "Q3_K", "IQ3_S", "IQ3_XXS", "Q2_K", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S"]
 
@@ -132,13 +135,14 @@ def build(arch: str, chunks: int, n_budgets: int, work: Path, log, prior: dict |
     top = min(max(r.nbytes for r in rows if r.family == "preset"), ceiling)     # the largest preset, if it can
     sens = ["--sensitivity", "kld", "--sensitivity-text", work / "train.txt", "--sensitivity-chunks",
             SENSITIVITY_CHUNKS]
+    families = [("--target-size", [], ""), ("--target-size --sensitivity kld", sens, "kld-"),
+                (f"{SAMPLED} {SAMPLED_LAYERS}", [*sens, "--sensitivity-layers", SAMPLED_LAYERS], "kld1-")]
     for b in np.linspace(floor, top, n_budgets):
         budget = int(b)
-        for family, extra in (("--target-size", []), ("--target-size --sensitivity kld", sens))[:2 if SENSITIVITY else 1]:
+        for family, extra, tag in families[:3 if SENSITIVITY else 1]:
             if f"{family} {budget:,}" in prior:
                 rows.append(prior[f"{family} {budget:,}"])
                 continue
-            tag = "kld-" if extra else ""
             out = make(work, gguf, imatrix, f"target-{tag}{budget}", ["--target-size", str(budget), *extra])
             rows.append(measure(Row(f"{family} {budget:,}", family, out.stat().st_size), base, out))
             log(f"{rows[-1].name:60s} {rows[-1].nbytes:>12,} B  KLD {rows[-1].kld:.5f} ± {rows[-1].kld_2se:.5f}")
@@ -216,10 +220,15 @@ def checks(rows: list[Row]) -> list[str]:
                        + ("falls" if d < -se else "within noise" if d <= se else "RISES"))
     weights = sorted((r for r in rows if r.family == "--target-size"), key=lambda r: r.nbytes)
     measured = sorted((r for r in rows if r.family == "--target-size --sensitivity kld"), key=lambda r: r.nbytes)
+    sampled = sorted((r for r in rows if r.family == f"{SAMPLED} {SAMPLED_LAYERS}"), key=lambda r: r.nbytes)
     for w, k in zip(weights, measured):
         d, se = paired(k, w)
         out.append(f"at {w.name.split()[-1]}: --sensitivity kld against the weight errors: KLD {d:+.5f} ± {se:.5f}: "
                    + ("better" if d < -se else "within noise" if d <= se else "WORSE"))
+    for k, s1 in zip(measured, sampled):
+        d, se = paired(s1, k)
+        out.append(f"at {k.name.split()[-1]}: --sensitivity-layers {SAMPLED_LAYERS} against every layer measured: "
+                   f"KLD {d:+.5f} ± {se:.5f}: " + ("better" if d < -se else "within noise" if d <= se else "WORSE"))
     return out
 
 
@@ -239,10 +248,17 @@ def plot(rows: list[Row], path: Path, arch: str) -> None:
     for r in rows:
         if r.family != "source":
             fams.setdefault(r.family, []).append(r)
-    series = [Series(f.upper(), [(r.nbytes / 1e6, r.kld, r.kld_2se, _short(r)) for r in rs],
+    series = [Series(_legend(f), [(r.nbytes / 1e6, r.kld, r.kld_2se, _short(r)) for r in rs],
                      line=f.startswith("--target-size")) for f, rs in fams.items()]
     scatter_png(path, series, f"TRAINED {arch.upper()} FIXTURE: FILE SIZE AGAINST MEAN KLD (2 SE BARS)",
                 "FILE SIZE (MB)", "MEAN KLD (NATS)")
+
+
+def _legend(family: str) -> str:
+    """The family as the legend's column fits it (about 24 characters)."""
+    short = {"--target-size": "TARGET, WEIGHT ERRORS", "--target-size --sensitivity kld": "TARGET, KLD ALL LAYERS",
+             f"{SAMPLED} {SAMPLED_LAYERS}": f"TARGET, KLD {SAMPLED_LAYERS} LAYER/KIND"}
+    return short.get(family, family.upper())
 
 
 def _short(r: Row) -> str:

@@ -21,7 +21,10 @@ is its own (its VmHWM):
 Each type runs --repeat times (llama.cpp, then ours, back to back); the medians are printed, with the range of the
 ratio: single runs on a shared 2-core VM swing by 0.2 and more. Prints per type both wall times, the ratio ours / llama.cpp (the goal: at most 2.0, then 1.0), the ratio
 against llama.cpp + fsync, our fixed startup (a child that only imports the quantizer and loads that type's kernels),
-both peak RSS and whether every tensor's bytes are equal. The kernels are built into their native cache first (kimi_convert.native; the first run compiles).
+ggml's one-off set-up of the type's tables (`ggml_quantize_init` timed in a fresh child: the IQ grids, seconds for
+IQ1_S/IQ1_M/IQ2_S, which llama-quantize pays once per run and a real K3 run never notices) and the ratio with
+llama.cpp's time less that set-up (ours keeps all its start-up: the ratio a file large enough to hide both gets
+is at most that), both peak RSS and whether every tensor's bytes are equal. The kernels are built into their native cache first (kimi_convert.native; the first run compiles).
 """
 from __future__ import annotations
 
@@ -76,6 +79,18 @@ import sys
 from gguf import GGMLQuantizationType as QT
 from kimi_convert.quant.blocks import load_kernels
 load_kernels([(QT.BF16, QT[sys.argv[1]], False)])
+"""
+# ggml's one-off set-up of a type's tables (the IQ grids and their neighbour maps: seconds for IQ1_S and IQ2_S,
+# nothing for the others), which llama-quantize pays once per run, whatever the file's size: ggml_quantize_init,
+# the very call its quantize_chunk makes first, timed in a fresh process
+LLAMA_SETUP = """
+import sys, time
+from gguf import GGMLQuantizationType as QT
+from kimi_interop.ggml_quants import _lib
+lib = _lib()
+start = time.perf_counter()
+lib.ggml_quantize_init(int(QT[sys.argv[1]]))
+sys.stderr.write(f"SETUP {time.perf_counter() - start}\\n")
 """
 LLAMA_IMPORTS = "\nfrom kimi_interop import llama_quantize\n"
 WARM = """
@@ -178,7 +193,7 @@ def run_types(types: list[str], src: Path, work: Path, imatrix_args: list[str], 
     print(f"medians of {repeat} runs of each side per type, llama.cpp and ours back to back"
           + (f", {load} busy process(es) beside them" if load else ""))
     print(f"{'type':8} {'llama.cpp s':>11} {'+ fsync s':>9} {'ours s':>8} {'ratio':>6} {'(range)':>9} {'ratio+fsync':>11} "
-          f"{'startup s':>9} {'llama RSS':>10} "
+          f"{'startup s':>9} {'ggml set-up':>10} {'w/o set-up':>12} {'llama RSS':>10} "
           f"{'our RSS':>9}  bytes equal")
     for name in types:
         theirs, ours = work / f"llama-{name}.gguf", work / f"ours-{name}.gguf"
@@ -187,15 +202,26 @@ def run_types(types: list[str], src: Path, work: Path, imatrix_args: list[str], 
             t_l, rss_l, t_f = timed(LLAMA, str(src), str(theirs), str(llama_file_type(QT[name])), *imatrix_args)
             t_o, rss_o, _ = timed(OURS, str(src), str(ours), name, *imatrix_args)
             t_s, _, _ = timed(STARTUP, name)   # our fixed cost: interpreter, imports, linking the kernels, exit
+            setup = llama_setup(name)
             equal = same_bytes(ours, theirs)
             theirs.unlink()
             ours.unlink()
-            runs.append((t_l, t_l + t_f, t_o, t_o / t_l, t_o / (t_l + t_f), t_s, rss_l, rss_o, equal))
-        t_l, t_lf, t_o, ratio, ratio_f, t_s = (statistics.median(r[k] for r in runs) for k in range(6))
+            runs.append((t_l, t_l + t_f, t_o, t_o / t_l, t_o / (t_l + t_f), t_s, setup, t_o / (t_l - setup),
+                         rss_l, rss_o, equal))
+        t_l, t_lf, t_o, ratio, ratio_f, t_s, setup, ratio_ns = (statistics.median(r[k] for r in runs)
+                                                                for k in range(8))
         spread = f"{min(r[3] for r in runs):.2f}-{max(r[3] for r in runs):.2f}" if len(runs) > 1 else ""
         print(f"{name:8} {t_l:11.2f} {t_lf:9.2f} {t_o:8.2f} {ratio:6.2f} {spread:>9} {ratio_f:11.2f} {t_s:9.2f} "
-              f"{max(r[6] for r in runs) / 2**20:8.0f}Mi {max(r[7] for r in runs) / 2**20:7.0f}Mi  "
-              f"{all(r[8] for r in runs)}", flush=True)
+              f"{setup:10.2f} {ratio_ns:12.2f} "
+              f"{max(r[8] for r in runs) / 2**20:8.0f}Mi {max(r[9] for r in runs) / 2**20:7.0f}Mi  "
+              f"{all(r[10] for r in runs)}", flush=True)
+
+
+def llama_setup(name: str) -> float:
+    """Seconds of ggml_quantize_init for type `name` in a fresh process (LLAMA_SETUP)."""
+    proc = subprocess.run([sys.executable, "-c", LLAMA_SETUP, name], env=CHILD_ENV, capture_output=True, text=True,
+                          check=True)
+    return float(proc.stderr.rsplit("SETUP ", 1)[1].split()[0])
 
 
 if __name__ == "__main__":

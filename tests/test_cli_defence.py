@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 
 import kimi_convert.convert.converter as convert_mod
+import kimi_convert.convert.job as convert_job
+import kimi_convert.quant.job as quantize_job
 import kimi_convert.quant.driver as driver_mod
 from kimi_convert.cli import common, convert as convert_cli, quantize as quantize_cli, verify as verify_cli
 from kimi_convert.cli.common import Defence, run_app
@@ -156,7 +158,7 @@ def test_unexpected_exception_while_reading_the_policy_names_it(monkeypatch, ggu
 def test_an_os_error_no_check_named_is_one_line_naming_its_file(monkeypatch, k3_dir, out_dir):
     def eio(*a, **k):
         raise OSError(5, "Input/output error", str(k3_dir / "model-00001-of-000005.safetensors"))
-    monkeypatch.setattr(convert_mod, "build_plan", eio)
+    monkeypatch.setattr(convert_job, "build_plan", eio)
     r = run("kimi-convert", k3_dir, out_dir / "x.gguf")
     assert r.one_error() == f"error: {k3_dir / 'model-00001-of-000005.safetensors'}: Input/output error"
     assert r.fallback == "os-error"
@@ -237,12 +239,11 @@ def test_a_second_run_into_a_locked_output_refuses_before_reading_its_input(monk
     """The output lock comes before the plan (96 shard headers, or the input GGUF's): a run that must refuse
     does no heavy work first."""
     import fcntl
-    import kimi_convert.gguf_io as gguf_io_mod
 
     def planned(*args, **kwargs):
         raise AssertionError("the input was read before the output lock was taken")
-    monkeypatch.setattr(convert_mod, "build_plan", planned)
-    monkeypatch.setattr(gguf_io_mod, "open_gguf", planned)
+    monkeypatch.setattr(convert_job, "build_plan", planned)           # what each command's job reads first
+    monkeypatch.setattr(quantize_job, "open_gguf", planned)
     out = out_dir / "x.gguf"
     lock = out_dir / ".x.gguf.lock"
     fd = os.open(lock, os.O_RDWR | os.O_CREAT)

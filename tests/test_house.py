@@ -96,3 +96,37 @@ def test_no_module_over_700_lines():
     long = {name: n for name, path in _modules().items()
             if not name.startswith(EXEMPT) and (n := len(path.read_text().splitlines())) > MAX_LINES}
     assert not long, f"over {MAX_LINES} lines: {long}"
+
+
+MAX_COMMAND_LINES = 60
+
+
+def _commands() -> dict[str, int]:
+    """Each command function of kimi_convert/cli (a typer command: `@app.command(...)` or registered with
+    `app.command(...)(fn)`, in any of its modules) and the lines of its body, docstring aside."""
+    trees = {path.stem: ast.parse(path.read_text(), str(path)) for path in sorted((PACKAGE / "cli").glob("*.py"))}
+    registered = {node.args[0].id for tree in trees.values() for node in ast.walk(tree)
+                  if isinstance(node, ast.Call) and isinstance(node.func, ast.Call)
+                  and isinstance(node.func.func, ast.Attribute) and node.func.func.attr == "command"
+                  and node.args and isinstance(node.args[0], ast.Name)}
+    out = {}
+    for stem, tree in trees.items():
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.FunctionDef):
+                continue
+            decorated = any(isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute) and d.func.attr == "command"
+                            for d in node.decorator_list)
+            if decorated or node.name in registered:
+                body = node.body[1:] if ast.get_docstring(node) else node.body
+                out[f"{stem}.{node.name}"] = node.end_lineno - body[0].lineno + 1
+    return out
+
+
+def test_commands_are_thin():
+    """A command parses its options into one options object and runs a job of the library (convert/job.py,
+    quant/job.py, imatrix/job.py, kld/job.py): no body over 60 lines."""
+    commands = _commands()
+    assert {"convert.convert", "quantize.quantize", "imatrix.imatrix", "kld.kld_cmd",
+            "verify.check_cmd"} <= set(commands)
+    long = {name: n for name, n in commands.items() if n > MAX_COMMAND_LINES}
+    assert not long, f"command bodies over {MAX_COMMAND_LINES} lines: {long}"

@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from gguf import GGUFReader
 from hypothesis import HealthCheck, given, settings
@@ -156,7 +157,14 @@ def output_of(d: Path, name: str) -> list[Path]:
 
 # --- the manifest ------------------------------------------------------------------------------
 
-def independent_manifest(parts: list[Path]) -> list[dict]:
+def tree_sha256(data: bytes, leaf: int = 1 << 20) -> str:
+    """The manifest's tensor digest, written out from its definition in docs/formats.md: SHA-256 over the
+    SHA-256 of each 1 MiB (`leaf`) of the bytes."""
+    leaves = b"".join(hashlib.sha256(data[i:i + leaf]).digest() for i in range(0, len(data), leaf))
+    return hashlib.sha256(leaves).hexdigest()
+
+
+def independent_manifest(parts: list[Path], leaf: int = 1 << 20) -> list[dict]:
     """What the manifest must say, from the final files through gguf-py's own reader and hashlib."""
     files = []
     for p in parts:
@@ -168,7 +176,7 @@ def independent_manifest(parts: list[Path]) -> list[dict]:
                       "tensors": [{"name": t.name, "type": t.tensor_type.name,
                                    "shape": [int(x) for x in reversed(t.shape.tolist())],
                                    "offset": int(t.data_offset), "nbytes": int(t.n_bytes),
-                                   "sha256": hashlib.sha256(data[t.data_offset:t.data_offset + t.n_bytes]).hexdigest()}
+                                   "sha256": tree_sha256(data[t.data_offset:t.data_offset + t.n_bytes], leaf)}
                                   for t in r.tensors]})
     return files
 
@@ -178,6 +186,7 @@ def test_manifest_equals_hashes_of_the_final_files(command, converted, quantized
     parts = converted if command == "kimi-convert" else quantized
     m = json.loads(manifest_path(out_path(parts[0])).read_text())
     assert m["format"] == "kimi-convert GGUF manifest" and m["version"] == 1 and m["tool"].startswith(command)
+    assert m["hash"] == "sha256-tree-1MiB"
     assert m["files"] == independent_manifest(parts)
     assert len(m["files"]) == (8 if command == "kimi-convert" else 6)
 
@@ -194,6 +203,56 @@ def test_manifest_of_a_single_file_and_of_buffered_writes(tmp_path, ckpt, monkey
     assert len(direct) == 1
     same_files(buffered, direct)
     assert json.loads(manifest_path(direct[0]).read_text())["files"] == independent_manifest(direct)
+
+
+def test_one_thread_and_two_write_the_same_file_and_manifest(tmp_path, ckpt, monkeypatch):
+    """--threads repacks the experts and hashes the leaves side by side: the bytes and the digests must not
+    depend on it. The fixture's tensors are under 1 MiB, so the leaf is made 4 KiB here: each tensor then
+    has up to 96 leaves, cut across the sink's staging buffers and hashed on two threads."""
+    from kimi_convert.gguf_io import digest
+    monkeypatch.setattr(digest, "LEAF", 4096)
+    for n in (1, 2):
+        (tmp_path / str(n)).mkdir()
+    outs = {n: convert(build_plan(ckpt, "f32", threads=n), tmp_path / str(n) / "m.gguf").paths for n in (1, 2)}
+    assert build_plan(ckpt, threads=3).threads == 3 and build_plan(ckpt).threads == len(os.sched_getaffinity(0))
+    same_files(outs[1], outs[2])
+    manifests = [json.loads(manifest_path(outs[n][0]).read_text())["files"] for n in (1, 2)]
+    assert manifests[0] == manifests[1] == independent_manifest(outs[1], leaf=4096)
+    assert manifests[0] != independent_manifest(outs[1])
+    assert check_manifest(outs[2][0], manifest_path(outs[2][0]), threads=2).ok
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_tree_digest_does_not_depend_on_how_the_bytes_arrive(threads):
+    from kimi_convert.gguf_io.digest import LEAF, TreeDigest
+    rng = np.random.default_rng(7)
+    for n in (0, 1, LEAF - 1, LEAF, LEAF + 1, 3 * LEAF, 5 * LEAF + 77):
+        data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        d, at = TreeDigest(threads), 0
+        while at < n:
+            step = int(rng.choice([1, 100, LEAF // 3, LEAF, 2 * LEAF + 5]))
+            d.update(data[at:at + step])
+            at += step
+        assert d.hexdigest() == tree_sha256(data), n
+
+
+def test_a_manifest_of_one_sha256_per_tensor_is_still_checked(copy):
+    """Manifests written before the tree digest say "hash": "sha256", one SHA-256 over each tensor's bytes."""
+    m = copy[0].with_name("s.gguf.manifest.json")
+    doc = json.loads(m.read_text())
+    doc["hash"] = "sha256"
+    for f in doc["files"]:
+        data = (m.parent / f["name"]).read_bytes()
+        for t in f["tensors"]:
+            t["sha256"] = hashlib.sha256(data[t["offset"]:t["offset"] + t["nbytes"]]).hexdigest()
+    m.write_text(json.dumps(doc))
+    assert check_manifest(copy[0], m).ok
+    flip(copy[2], os.path.getsize(copy[2]) - 100)
+    assert not check_manifest(copy[0], m).ok
+    doc["hash"] = "md5"
+    m.write_text(json.dumps(doc))
+    with pytest.raises(ManifestError, match="hash 'md5': only sha256-tree-1MiB and sha256 are known"):
+        check_manifest(copy[0], m)
 
 
 def test_no_manifest_without_hashing_and_no_stale_one(tmp_path, ckpt):

@@ -144,18 +144,19 @@ def open_files(under: Path) -> set[str]:
 
 
 def test_expert_producer_repacks_in_order_and_stops_cleanly(tmp_path):
-    """_produce of a stacked MXFP4 tensor yields each expert's repack in expert order (jobs run REPACK_AHEAD
-    ahead on a pool); closed after the first, it cancels or waits for the jobs in flight and closes the shards
+    """_produce of a stacked MXFP4 tensor yields each expert's repack in expert order (jobs run threads +
+    REPACK_AHEAD ahead on a pool of 2 threads); closed after the first, it cancels or waits for the jobs in flight and closes the shards
     it opened, so no job reads a closed (or reused) descriptor."""
     from kimi_convert.convert.converter import REPACK_AHEAD, _produce, build_plan
     from kimi_convert.fixtures.make_checkpoint import make_checkpoint
-    plan = build_plan(make_checkpoint(tmp_path / "k3", arch="k3", n_layers=2, num_experts=REPACK_AHEAD + 4))
+    n = 2 + REPACK_AHEAD + 4
+    plan = build_plan(make_checkpoint(tmp_path / "k3", arch="k3", n_layers=2, num_experts=n), threads=2)
     p = next(t for t in plan.tensors if t.name.endswith("ffn_down_exps.weight"))
     ckpt, shard = plan.checkpoint, str(p.sources[0][0].path)
     before = open_files(tmp_path)
     got = list(_produce(p, ckpt, plan.config))
     want = [mxfp4.repack(ckpt.read(packed), ckpt.read(scale)) for packed, scale in p.sources]
-    assert len(got) == len(want) == REPACK_AHEAD + 4 and all(np.array_equal(a, b) for a, b in zip(got, want))
+    assert len(got) == len(want) == n and all(np.array_equal(a, b) for a, b in zip(got, want))
     assert open_files(tmp_path) == before
     chunks = _produce(p, ckpt, plan.config)
     assert np.array_equal(next(chunks), want[0]) and shard in open_files(tmp_path)

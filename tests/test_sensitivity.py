@@ -19,7 +19,7 @@ from kimi_convert.quant.driver import plan_file
 from kimi_convert.quant.imatrix import load_imatrix
 from kimi_convert.quant.target.budget import parse_budget
 from kimi_convert.quant.target.choose import choose, no_base
-from kimi_convert.quant.target.sensitivity import KldCosts, Sensitivity
+from kimi_convert.quant.target.sensitivity import KldCosts, Sensitivity, sampled_layers
 from kimi_convert.quant.target.units import split_decisions
 
 CHUNKS = 2
@@ -82,7 +82,7 @@ class Stated:
     def __init__(self, free: str):
         self.free, self.asked = free, []
 
-    def __call__(self, units, types):
+    def __call__(self, units, types, errors):
         self.asked = [(u.key, ts) for u, ts in zip(units, types)]
         out = []
         for u, ts in zip(units, types):
@@ -121,3 +121,70 @@ def test_kld_costs_describe_what_they_measured(model):
     gguf, imatrix, text, ids, units = model
     costs = KldCosts(Sensitivity(gguf, ids, imatrix), text)
     assert f"{CHUNKS} chunks of 128 tokens of {text}" in costs.describe()
+
+
+class Key:
+    def __init__(self, key: str):
+        self.key = key
+
+
+def test_sampled_layers_take_each_kind_evenly_first_and_last():
+    """K3's 93 layers: a dense first layer, then KDA and MLA layers with routed experts (every 4th is MLA);
+    layers are of one kind when their decisions have the same roles."""
+    keys = [Key("token_embd.weight"), Key("output.weight")]
+    for il in range(93):
+        attn = ["attn_q_a.weight", "attn_kv_a_mqa.weight"] if il % 4 == 3 else ["attn_q.weight", "ssm_beta.weight"]
+        ffn = ["ffn_gate.weight", "ffn_down.weight"] if il == 0 else ["ffn_gate_up_exps", "ffn_down_exps"]
+        keys += [Key(f"blk.{il}.{r}") for r in attn + ffn]
+    mla = [il for il in range(93) if il % 4 == 3]
+    kda = [il for il in range(1, 93) if il % 4 != 3]
+    assert sampled_layers(keys, 0) == set(range(93))
+    assert sampled_layers(keys, 1) == {0, mla[0], kda[0]}
+    four = sampled_layers(keys, 4)
+    assert len(four) == 9 and {0, mla[0], mla[-1], kda[0], kda[-1]} <= four
+    assert len(mla) == 23 and sorted(il for il in four if il in mla) == [mla[0], mla[7], mla[15], mla[22]]  # 22/3
+    assert sampled_layers(keys, 100) == set(range(93))
+
+
+def test_unsampled_decisions_cost_their_weight_error_times_their_roles_measured_scale(model):
+    gguf, imatrix, text, ids, units = model
+    picked = [units[f"blk.{il}.attn_output.weight"] for il in range(4)] + \
+             [units[f"blk.{il}.ffn_gate_up_exps"] for il in (1, 2, 3)]
+    types = [[QT.IQ2_XXS, QT.Q4_K] if u.expert else [QT.Q4_K, QT.Q8_0] for u in picked]
+    errors = [{t: 1e-3 * (i + 1) * (4 if t in (QT.IQ2_XXS, QT.Q4_K) else 1) for t in ts}
+              for i, ts in enumerate(types)]
+    sens = Sensitivity(gguf, ids, imatrix)
+    costs = KldCosts(sens, text, layers_per_kind=2)(picked, types, errors)
+    # the kinds: layer 0 (attention only here), layers 1-3 (attention and experts): 0, 1 and 3 are measured
+    assert sens.measured == 5 * 2
+    for k in (2, 5):                                    # layer 2's two decisions: estimated
+        same_role = [i for i in range(len(picked)) if i != k and picked[i].key.split(".", 2)[2] ==
+                     picked[k].key.split(".", 2)[2]]
+        for t in types[k]:
+            ratios = [costs[i][t] / errors[i][t] for i in same_role if LAYER_OF(picked[i]) in (0, 1, 3)]
+            assert costs[k][t] == pytest.approx(errors[k][t] * float(np.exp(np.mean(np.log(ratios)))), rel=1e-9)
+    described = KldCosts(sens, text, layers_per_kind=2)
+    described(picked, types, errors)
+    assert "the decisions of 2 layer(s) of each kind measured" in described.describe()
+    assert "layer(s) of each kind" not in KldCosts(sens, text).describe()
+
+
+def LAYER_OF(u) -> int:
+    return int(u.key.split(".")[1])
+
+
+def test_the_decisions_of_one_layer_run_together_equal_each_alone(model):
+    """costs_of joins every variant that starts at a layer (the layers after it read once for all of them);
+    max_variants=1 runs each variant alone."""
+    gguf, imatrix, _, ids, units = model
+    picked = [units["blk.2.attn_output.weight"], units["blk.2.ffn_gate_up_exps"], units["token_embd.weight"],
+              units["blk.0.attn_output.weight"]]
+    types = [[QT.Q4_K, QT.Q8_0], [QT.IQ2_XXS], [QT.Q4_K], [QT.Q4_K]]
+    together = Sensitivity(gguf, ids, imatrix)
+    assert together.max_variants >= 3
+    joined = together.costs_of(picked, types)
+    alone = Sensitivity(gguf, ids, imatrix, max_variants=1).costs_of(picked, types)
+    for j, a in zip(joined, alone):
+        for t in a:
+            assert j[t] == pytest.approx(a[t], rel=1e-3, abs=1e-7), t
+    assert joined[0][QT.Q4_K] > joined[0][QT.Q8_0] > 0 and together.measured == 5

@@ -179,6 +179,18 @@ def parse_size(text: str, option: str = "--split-max-size") -> int:
     return sizes.parse_size(text, option)
 
 
+MAX_THREADS = 1024
+
+
+def threads_option(what: str):
+    """--threads N, the same in every command: `what` the threads do; 0 (the default) is every core."""
+    return typer.Option(0, "--threads", "-t", metavar="N", help=f"{what} (default 0: all cores)")
+
+
+def check_threads(threads: int) -> None:
+    check_count(threads, "--threads", 0, MAX_THREADS, "one OS thread each; 0 is all cores")
+
+
 def check_count(value: int, option: str, low: int, high: Optional[int] = None, why: str = "") -> None:
     """An integer option in low..high (`why`: where the upper bound comes from)."""
     if value < low:

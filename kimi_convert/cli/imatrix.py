@@ -19,11 +19,10 @@ from typing import List, Optional
 import typer
 
 from ..errors import Interrupted, KimiError
-from .common import (check_count, console, debug_option, fail, human, interrupted, interrupts_raise, note, output,
-                     parse_size, reading, run_app, show_plan, typer_app)
+from .common import (check_count, check_threads, console, debug_option, fail, human, interrupted, interrupts_raise,
+                     note, output, parse_size, reading, run_app, show_plan, threads_option, typer_app)
 
 app = typer_app(help=__doc__)
-MAX_THREADS = 1024
 
 
 @app.command()
@@ -36,7 +35,7 @@ def imatrix(
     ctx: int = typer.Option(512, "--ctx", "-c", metavar="N", help="tokens per chunk (llama-imatrix's -c)"),
     chunks: Optional[int] = typer.Option(None, "--chunks", metavar="N", help="use only the first N chunks"),
     device: str = typer.Option("cpu", "--device", metavar="cpu|cuda", help="where the engine runs (torch)"),
-    threads: int = typer.Option(0, "--threads", "-t", metavar="N", help="CPU threads (default: all cores)"),
+    threads: int = threads_option("CPU threads of the engine"),
     output_format: str = typer.Option("gguf", "--output-format", metavar="gguf|dat",
                                       help="llama-imatrix's GGUF (default) or its legacy .dat"),
     in_file: List[Path] = typer.Option([], "--in-file", readable=False, metavar="A.gguf",
@@ -123,7 +122,7 @@ def check_run_numbers(chunks, threads: int) -> None:
     """--chunks and --threads of a streamed run (kimi-imatrix, kimi-verify kld); --threads sets torch's."""
     if chunks is not None:
         check_count(chunks, "--chunks", 1)
-    check_count(threads, "--threads", 0, MAX_THREADS, "one OS thread each; 0 is all cores")
+    check_threads(threads)
     if threads:
         import torch
         torch.set_num_threads(threads)

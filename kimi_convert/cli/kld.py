@@ -18,7 +18,7 @@ import typer
 
 from ..errors import Interrupted, KimiError
 from .common import (check_count, console, fail, human, interrupted, interrupts_raise, note, output, parse_size,
-                     reading, show_plan)
+                     reading, show_plan, threads_option)
 from .imatrix import check_device, check_run_numbers
 
 
@@ -33,7 +33,7 @@ def kld_cmd(
                                       "the base file's); the second half of each chunk is scored"),
     chunks: Optional[int] = typer.Option(None, "--chunks", metavar="N", help="use only the first N chunks"),
     device: str = typer.Option("cpu", "--device", metavar="cpu|cuda", help="where the engine runs (torch)"),
-    threads: int = typer.Option(0, "--threads", "-t", metavar="N", help="CPU threads (default: all cores)"),
+    threads: int = threads_option("CPU threads of the engine"),
     save_base: Optional[Path] = typer.Option(None, "--save-base", readable=False, metavar="F",
                                              help="also keep the base's log-probabilities in F (llama-perplexity's "
                                              "--kl-divergence-base file)"),

@@ -3,41 +3,68 @@ reporting the decisions, the --dry-run table."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING, Optional
 
+import typer
 from rich.markup import escape
 from rich.table import Table
 
-from ..errors import KimiError
-from .common import console, human, note, output, reading
+from .common import console, human, note, output
 
 if TYPE_CHECKING:
     from ..quant.imatrix import Imatrix
 
 
-def load_policy_options(policy: Optional[str], tensor_type: List[str], tensor_type_file: List[Path],
-                        imatrix: Optional[Path], *, allow_requantize: bool, plan_only: bool, base: bool = False):
-    """(policy, imatrix or None) from --policy, --tensor-type, --tensor-type-file and --imatrix, with the policy's
-    requirements checked: kimi-quantize and kimi-convert --policy read them alike, before any heavy work.
-    `base`: the policy is a budget's BASE (quant.target), and may be absent (no tensor pinned)."""
-    from ..quant.policy import load_policy, tensor_type_rules
-    if policy is None:
-        if not base:
-            raise KimiError("give --policy POLICY (a file or preset: --list-presets), or a budget: "
-                            "--target-size SIZE / --target-bpw BPW")
-        from ..quant.target.choose import no_base
-        pol = no_base()
-    else:
-        reading(policy)         # and its --tensor-type rules
-        pol = load_policy(policy)
-    pol = pol.with_tensor_types(tensor_type_rules(tensor_type, tensor_type_file), tensor_type_file)
-    for line in pol.check_requirements(imatrix=imatrix is not None, allow_requantize=allow_requantize,
-                                       plan_only=plan_only):
-        note(line)
-    if imatrix is None:
-        return pol, None
-    reading(imatrix)
-    return pol, load_imatrix(imatrix)
+# --- the options kimi-quantize and kimi-convert share, declared once -------------------------------------
+
+def imatrix_option():
+    return typer.Option(None, "--imatrix", readable=False, metavar="FILE", help="llama-imatrix file (GGUF or .dat)")
+
+
+def tensor_type_option():
+    return typer.Option([], "--tensor-type", metavar="RE=TYPE",
+                        help="llama-quantize override, tried before the policy's rules")
+
+
+def tensor_type_file_option():
+    return typer.Option([], "--tensor-type-file", readable=False, metavar="F",
+                        help="file of RE=TYPE tokens (white-space separated)")
+
+
+def allow_requantize_option():
+    return typer.Option(False, "--allow-requantize",
+                        help="let rules re-quantize already quantized tensors (MXFP4 experts)")
+
+
+def strict_option():
+    return typer.Option(False, "--strict", help="a rule that names a protected tensor is an error")
+
+
+def target_size_option():
+    return typer.Option(None, "--target-size", metavar="SIZE",
+                        help="choose every free tensor's type so that the tensor data fits SIZE (600G = 600GB = "
+                        "600e9 bytes; 558GiB in powers of 1024); needs --imatrix; --policy is then the BASE")
+
+
+def target_bpw_option():
+    return typer.Option(None, "--target-bpw", metavar="BPW", help="the same budget in bits per weight, e.g. 2.5")
+
+
+def gpu_budget_option():
+    return typer.Option(None, "--gpu-budget", metavar="SIZE",
+                        help="with a budget: the tensors that run for every token (all but the routed experts) fit "
+                        "SIZE, the experts the rest")
+
+
+def emit_policy_option():
+    return typer.Option(None, "--emit-policy", readable=False, metavar="CHOSEN.toml",
+                        help="with a budget: write the chosen types as a policy file (--policy CHOSEN.toml makes "
+                        "the same file)")
+
+
+def resume_option():
+    return typer.Option(False, "--resume", help="keep the finished split parts of an interrupted run of the same "
+                        "plan into OUT (each checked against its manifest journal); write the rest")
 
 
 def target_options(target_size: Optional[str], target_bpw: Optional[str], gpu_budget: Optional[str],
@@ -91,11 +118,6 @@ def report_write_blockers(plan, imat: Imatrix | None) -> None:
                                          if d.needs_imatrix and imat.has_vector(d.name, d.shape)}
     for line in write_blockers(plan, entries, imat.path if imat is not None else ""):
         console.print(f"[yellow]note:[/] writing this plan is refused: {escape(line)}", highlight=False)
-
-
-def load_imatrix(path: Path):
-    from ..quant.imatrix import load_imatrix as load
-    return load(path)
 
 
 def print_conflicts(plan) -> None:

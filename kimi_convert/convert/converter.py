@@ -33,6 +33,7 @@ from ..memory import peak_rss
 from ..gguf_io import (COPY_CHUNK, DirectSink, DiskRoom, FileRange, GGUFStreamWriter, OutTensor, Prefetch,
                        SourceFiles, check_free_disk, check_output_paths, check_split_max_size, disk_bytes, disk_room,
                        split_paths, stale_partials, tensor_nbytes, written_paths)
+from ..cores import threads_or_all
 from ..model import KimiConfig
 from ..paths import Input, refuse_overlap
 from .shard_io import read_tensors
@@ -53,8 +54,7 @@ INDEX_BYTES_PER_TENSOR = 340  # index and plan, per source tensor: 324 B measure
 VOCAB_BYTES_PER_TOKEN = 320   # token strings, merges and types: 300 B resident, 313 B at the peak of loading
 WRITE_BUFFERS = DirectSink.STAGE * DirectSink.BUFFERS   # O_DIRECT staging of a big output (staging_bytes)
 IN_FLIGHT = Prefetch.DEPTH + 1  # produced chunks alive at once: the queue, plus the one being staged
-REPACK_THREADS = 2            # MXFP4 experts read and repacked at once (_repacked_experts)
-REPACK_AHEAD = 4              # ... and that many ahead of the one the writer takes
+REPACK_AHEAD = 4              # MXFP4 experts repacked ahead of the one the writer takes, beyond one a thread
 READ_AHEAD = 4                # experts requested from the disk (fadvise) beyond those
 CAST_CHUNK = 16 << 20         # source bytes cast per chunk (--outtype f32): 4 such chunks in flight
 _LAYOUT = attrgetter("dtype", "shape")
@@ -68,6 +68,7 @@ class PlannedTensor:
     qtype: QT
     shape: tuple[int, ...]
     sources: list[tuple[SourceTensor, ...]]   # one tuple per expert for EXPERTS, else one tuple
+    threads: int = 1                          # repack threads (_repacked_experts): Plan.threads
 
     @property
     def nbytes(self) -> int:
@@ -88,7 +89,8 @@ class PlannedTensor:
         if tr == EXPERTS and len(self.sources[0]) == 2:
             # each repack thread's read buffer; the experts repacked ahead, the one being handed over and
             # those in flight (_repacked_experts)
-            return REPACK_THREADS * src + (REPACK_AHEAD + 1 + IN_FLIGHT) * (self.nbytes // len(self.sources))
+            ahead = self.threads + REPACK_AHEAD
+            return self.threads * src + (ahead + 1 + IN_FLIGHT) * (self.nbytes // len(self.sources))
         cast = self.sources[0][0].dtype != _src_dtype(self.qtype)
         if tr in (COPY, CONV1D, EXPERTS):
             if not cast:
@@ -113,6 +115,7 @@ class Plan:
     outtype: str
     tensors: list[PlannedTensor]
     dropped: list[SourceTensor] = field(default_factory=list)
+    threads: int = 1            # repack and hash threads (build_plan)
 
     @property
     def total_bytes(self) -> int:
@@ -164,7 +167,9 @@ def count_files(sizes: list[int], split_max_tensors: int = 0, split_max_size: in
 # ------------------------------------------------------------------------------------
 # planning
 
-def build_plan(hf_dir: Path, outtype: str = "bf16") -> Plan:
+def build_plan(hf_dir: Path, outtype: str = "bf16", threads: int = 0) -> Plan:
+    """The conversion of `hf_dir`: each output tensor, its sources and its transform, checked against
+    config.json; `threads` (0: every CPU) repack the MXFP4 experts and hash the output."""
     if outtype not in OUTTYPES:
         raise CheckpointError(f"--outtype {outtype!r}: choose one of {sorted(OUTTYPES)}")
     hf_dir = Path(hf_dir)
@@ -172,14 +177,14 @@ def build_plan(hf_dir: Path, outtype: str = "bf16") -> Plan:
         raise ConfigError(f"{hf_dir}: not a folder; give the checkpoint folder (the one holding config.json)")
     cfg = KimiConfig.from_hf_dir(hf_dir)
     ckpt = Checkpoint(hf_dir)
-    planner = _Planner(cfg, ckpt.tensors, outtype, hf_dir)
+    planner = _Planner(cfg, ckpt.tensors, outtype, hf_dir, threads_or_all(threads))
     with gc_paused():       # 250k source tuples; full collections over the index would find nothing
         tensors = [planner.plan(r, None) for r in GLOBAL_RULES[:1]]
         for il in range(cfg.n_layer):
             tensors += [planner.plan(r, il) for r in LAYER_RULES if LAYER_KINDS[r.when](cfg, il)]
         tensors += [planner.plan(r, None) for r in GLOBAL_RULES[1:]]
     planner.check_all_used()
-    return Plan(hf_dir, cfg, ckpt, outtype, tensors, planner.dropped)
+    return Plan(hf_dir, cfg, ckpt, outtype, tensors, planner.dropped, planner.threads)
 
 
 class _Planner:
@@ -191,8 +196,9 @@ class _Planner:
     is the source of one expert of one tensor only (a set of them took 16 MiB and a second).
     """
 
-    def __init__(self, cfg: KimiConfig, tensors: dict[str, SourceTensor], outtype: str, hf_dir: Path):
-        self.cfg, self.tensors, self.outtype, self.hf_dir = cfg, tensors, outtype, hf_dir
+    def __init__(self, cfg: KimiConfig, tensors: dict[str, SourceTensor], outtype: str, hf_dir: Path,
+                 threads: int):
+        self.cfg, self.tensors, self.outtype, self.hf_dir, self.threads = cfg, tensors, outtype, hf_dir, threads
         self.aliases: dict[str, SourceTensor] = {}
         self.dropped: list[SourceTensor] = []
         # the release's spelling, which sanitize() maps to itself minus the prefix: no entry needed
@@ -254,7 +260,7 @@ class _Planner:
             for t, shape in zip(group, rule.hf_shapes(c)):
                 self.check_float(t, shape)
             sources, qtype = [group], stored_type(rule, c, OUTTYPES[self.outtype])
-        return PlannedTensor(rule, bid, out_name, qtype, gguf_shape(rule, c), sources)
+        return PlannedTensor(rule, bid, out_name, qtype, gguf_shape(rule, c), sources, self.threads)
 
     def check_float(self, t: SourceTensor, shape: tuple[int, ...]) -> None:
         if t.dtype not in FLOAT_DTYPES:
@@ -323,7 +329,7 @@ def _produce(p: PlannedTensor, ckpt: Checkpoint, cfg: KimiConfig) -> Iterator:
     elif tr in (K_B, V_B):
         yield _split_kv_b(p, ckpt, cfg)
     elif tr == EXPERTS and len(p.sources[0]) == 2:
-        yield from _repacked_experts(p.sources, ckpt)
+        yield from _repacked_experts(p.sources, ckpt, p.threads)
     elif tr == EXPERTS:
         for e, group in enumerate(p.sources):
             _ask_disk_ahead(p.sources, e, READ_AHEAD, ckpt)
@@ -332,19 +338,20 @@ def _produce(p: PlannedTensor, ckpt: Checkpoint, cfg: KimiConfig) -> Iterator:
         raise AssertionError(f"unknown transform {tr}")
 
 
-def _repacked_experts(experts: list[tuple[SourceTensor, ...]], ckpt: Checkpoint) -> Iterator[np.ndarray]:
+def _repacked_experts(experts: list[tuple[SourceTensor, ...]], ckpt: Checkpoint,
+                      threads: int) -> Iterator[np.ndarray]:
     """Each MXFP4 expert (packed, scale) repacked, in order. Experts are read (shard_io: one preadv into a
-    buffer the thread reuses) and repacked (the compiled kernel, which drops the GIL) on a pool of
-    REPACK_THREADS, REPACK_AHEAD experts ahead of the writer, so that both cores work while it writes; the
-    disk is asked for the READ_AHEAD experts beyond those, since they are read out of file order (every w1,
-    then every w2, ...)."""
-    pool, pending = _repack_pool(), deque()
+    buffer the thread reuses) and repacked (the compiled kernel, which drops the GIL) on a pool of `threads`,
+    threads + REPACK_AHEAD experts ahead of the writer, so that every core works while it writes; the disk is
+    asked for the READ_AHEAD experts beyond those, since they are read out of file order (every w1, then
+    every w2, ...)."""
+    pool, pending, ahead = _repack_pool(threads), deque(), threads + REPACK_AHEAD
     with SourceFiles() as files:
         try:
             for e, group in enumerate(experts):
-                _ask_disk_ahead(experts, e, REPACK_AHEAD + READ_AHEAD, ckpt)
+                _ask_disk_ahead(experts, e, ahead + READ_AHEAD, ckpt)
                 pending.append(pool.submit(_read_repacked, group, [files.fd(t.path) for t in group]))
-                if len(pending) > REPACK_AHEAD:
+                if len(pending) > ahead:
                     yield pending.popleft().result()
             while pending:
                 yield pending.popleft().result()
@@ -368,9 +375,9 @@ def _read_repacked(group: tuple[SourceTensor, ...], fds: list[int]) -> np.ndarra
     return out
 
 
-@lru_cache(maxsize=1)
-def _repack_pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(REPACK_THREADS, thread_name_prefix="kimi-repack")
+@lru_cache(maxsize=None)
+def _repack_pool(threads: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(threads, thread_name_prefix="kimi-repack")
 
 
 def ssm_a(a_log: np.ndarray, n_head: int) -> np.ndarray:
@@ -564,10 +571,11 @@ def convert(plan: Plan, out: Path, *, split_max_tensors: int = 0, split_max_size
                               split_max_size=split_max_size, force=force, tool="kimi-convert",
                               inputs=ckpt.shard_paths + ([Path(imatrix.path)] if imatrix is not None else []),
                               settings={"outtype": plan.outtype, "policy": quant.policy.source if quant else "none"},
-                              resume=resume, manifest=manifest, reads=_run_inputs(plan, quant), log=log)
+                              resume=resume, manifest=manifest, reads=_run_inputs(plan, quant), log=log,
+                              threads=plan.threads)
     produce = [(lambda t=t: _produce(t, ckpt, cfg)) for t in plan.tensors]
     if plan.repack_rss:
-        _repack_pool().submit(mxfp4.load_kernel)        # the kernel's load overlaps the tensors before the experts
+        _repack_pool(plan.threads).submit(mxfp4.load_kernel)        # the kernel's load overlaps the tensors before the experts
     if quant is None:
         add_metadata(writer, plan, pre.vocab)
         outs = [OutTensor(t.name, t.qtype, t.shape, p) for t, p in zip(plan.tensors, produce)]

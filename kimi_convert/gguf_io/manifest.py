@@ -1,4 +1,4 @@
-"""Per-tensor SHA-256 manifests of the GGUF files we write, the resume journal, and checking files offline.
+"""Per-tensor SHA-256 (tree) manifests of the GGUF files we write, the resume journal, and checking files offline.
 
 The streaming writer hashes each tensor's bytes as they go to disk (no second pass over the output) and
 writes `OUT.gguf.manifest.json` beside the output, renamed into place after the file(s) it describes (one
@@ -21,6 +21,7 @@ from typing import Any, Iterable
 
 from ..errors import CheckpointError
 from ..paths import helper_stem
+from .digest import FLAT, SCHEMES, TREE, new_digest
 from .qtypes import QUANT_SIZES, TYPES_BY_NAME
 
 MANIFEST_FORMAT = "kimi-convert GGUF manifest"
@@ -92,11 +93,12 @@ class FileEntry:
 class Manifest:
     tool: str
     files: list[FileEntry]
+    hash: str = TREE            # how each tensor's "sha256" is taken (digest.py): TREE, or FLAT before it
 
     def dumps(self) -> str:
         files = ",\n  ".join(f.dumps("  ") for f in self.files)
         return (f'{{"format": {json.dumps(MANIFEST_FORMAT)}, "version": {MANIFEST_VERSION}, '
-                f'"tool": {json.dumps(self.tool)}, "hash": "sha256",\n "files": [\n  {files}\n ]}}\n')
+                f'"tool": {json.dumps(self.tool)}, "hash": {json.dumps(self.hash)},\n "files": [\n  {files}\n ]}}\n')
 
 
 def write_manifest(path: Path, manifest: Manifest) -> None:
@@ -196,14 +198,14 @@ def load_manifest(path: Path) -> Manifest:
             raise _Fault(f"not a manifest: 'format' is not {MANIFEST_FORMAT!r}")
         if obj.get("version") != MANIFEST_VERSION:
             raise _Fault(f"manifest version {obj.get('version')!r}: only version {MANIFEST_VERSION} is known")
-        if obj.get("hash") != "sha256":
-            raise _Fault(f"hash {obj.get('hash')!r}: only sha256 is known")
+        if obj.get("hash") not in SCHEMES:
+            raise _Fault(f"hash {obj.get('hash')!r}: only {' and '.join(SCHEMES)} are known")
         files = [_file(f, f"file {i + 1}") for i, f in enumerate(_get(obj, "files", list, "the manifest"))]
         if not files:
             raise _Fault("it lists no files")
         _unique((f.name for f in files), "file")
         _unique((t.name for f in files for t in f.tensors), "tensor")
-        return Manifest(_get(obj, "tool", str, "the manifest"), files)
+        return Manifest(_get(obj, "tool", str, "the manifest"), files, obj["hash"])
     except _Fault as e:
         fault = str(e)
     raise ManifestError(f"{path}: {fault}")
@@ -353,12 +355,14 @@ class CheckResult:
 class _Reader:
     """Hashes byte ranges of one open file through one reused buffer."""
 
-    def __init__(self, fd: int, size: int):
-        self.fd, self.size, self.bytes_read = fd, size, 0
+    def __init__(self, fd: int, size: int, threads: int = 1):
+        self.fd, self.size, self.bytes_read, self.threads = fd, size, 0, threads
         self.buf = memoryview(bytearray(READ_BLOCK))
 
-    def sha256(self, offset: int, nbytes: int) -> str:
-        h = hashlib.sha256()
+    def sha256(self, offset: int, nbytes: int, scheme: str = FLAT) -> str:
+        """The digest of bytes [offset, offset + nbytes) by the manifest's `scheme` (digest.py); a block's
+        leaves are hashed on the reader's threads at once."""
+        h = new_digest(scheme, self.threads)
         for part in self.blocks(offset, nbytes):
             h.update(part)          # hashlib lets go of the GIL on large buffers
         return h.hexdigest()
@@ -377,9 +381,10 @@ class _Reader:
             offset += n
 
 
-def check_file(path: Path, entry: FileEntry) -> tuple[list[Difference], int]:
+def check_file(path: Path, entry: FileEntry, scheme: str = TREE, threads: int = 1) -> tuple[list[Difference], int]:
     """Every way `path` differs from its manifest entry (size, header, each tensor, padding), and the bytes
-    read. Tensors are read at the manifest's offsets, so a damaged header does not hide them."""
+    read, the tensors hashed by the manifest's `scheme` on `threads`. Tensors are read at the manifest's
+    offsets, so a damaged header does not hide them."""
     diffs: list[Difference] = []
     name = entry.name
 
@@ -399,8 +404,8 @@ def check_file(path: Path, entry: FileEntry) -> tuple[list[Difference], int]:
         differs(f"cannot read it ({e.strerror or e})")
         return diffs, 0
     try:
-        reader = _Reader(fd, st.st_size)
-        _check_contents(path, entry, reader, differs)
+        reader = _Reader(fd, st.st_size, threads)
+        _check_contents(path, entry, reader, differs, scheme)
     except OSError as e:
         differs(f"read error ({e.strerror or e})")
     except EOFError:
@@ -410,7 +415,7 @@ def check_file(path: Path, entry: FileEntry) -> tuple[list[Difference], int]:
     return diffs, reader.bytes_read
 
 
-def _check_contents(path: Path, entry: FileEntry, reader: _Reader, differs) -> None:
+def _check_contents(path: Path, entry: FileEntry, reader: _Reader, differs, scheme: str) -> None:
     size = reader.size
     if size != entry.size:
         how = "truncated" if size < entry.size else "longer"
@@ -428,7 +433,7 @@ def _check_contents(path: Path, entry: FileEntry, reader: _Reader, differs) -> N
         _check_gap(reader, end, min(t.offset, size), differs)
         if t.offset + t.nbytes > size:
             differs(f"cut off: it ends at byte {t.offset + t.nbytes:,}, the file at {size:,}", t.name)
-        elif (found := reader.sha256(t.offset, t.nbytes)) != t.sha256:
+        elif (found := reader.sha256(t.offset, t.nbytes, scheme)) != t.sha256:
             differs(f"{t.type}{list(t.shape)} at byte {t.offset:,}: its bytes differ (sha256 {found[:12]}..., "
                     f"the manifest's {t.sha256[:12]}...)", t.name)
         end = max(end, t.offset + t.nbytes)
@@ -463,9 +468,11 @@ def _table_differences(path: Path, entry: FileEntry) -> list[str]:
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 
-def check_manifest(file: Path, manifest_file: Path) -> CheckResult:
+def check_manifest(file: Path, manifest_file: Path, threads: int = 0) -> CheckResult:
     """Check `file` (a single GGUF or any part of a split set) and the other files its manifest lists, found
-    beside it. Files of the same split set that the manifest does not list are differences too."""
+    beside it, hashing on `threads` (0: every CPU). Files of the same split set that the manifest does not
+    list are differences too."""
+    from ..cores import threads_or_all
     file, manifest_file = Path(file), Path(manifest_file)
     manifest = load_manifest(manifest_file)
     names = [f.name for f in manifest.files]
@@ -476,7 +483,7 @@ def check_manifest(file: Path, manifest_file: Path) -> CheckResult:
         raise ManifestError(f"{file}: a folder, not a GGUF file")
     start, diffs, read = time.perf_counter(), [], 0
     for entry in manifest.files:
-        found, n = check_file(file.parent / entry.name, entry)
+        found, n = check_file(file.parent / entry.name, entry, manifest.hash, threads_or_all(threads))
         diffs += found
         read += n
     diffs += [Difference(p.name, "not in the manifest (a part of the same split set)", kind="extra")

@@ -36,7 +36,9 @@ from gguf.gguf_writer import WriterState
 from ..errors import CheckpointError, DiskSpaceError, OutputError
 from ..interrupts import deferred, deliver_postponed
 from ..paths import Input, Output, Report, refuse_overlap
+from ..cores import threads_or_all
 from . import manifest as mf
+from .digest import TREE, TreeDigest
 from .chunks import COPY_CHUNK, Chunk, FileRange, SourceFiles, copy_range, tensor_nbytes  # noqa: F401
 from .output import (HEADROOM, MIN_SPLIT_SIZE, DiskRoom, check_free_disk, check_output_paths,  # noqa: F401
                      check_split_max_size, disk_bytes, disk_room, lock_path, output_lock, partial_dir, remove_stale,
@@ -72,7 +74,8 @@ class GGUFStreamWriter:
     `tool` names the command in the manifest. `inputs` (the files the bytes come from) and `settings`
     (option -> value, for the options that shape the bytes) make, with the split limits and the headers,
     the run's plan: `resume` takes over an interrupted run's partial folder only if its plan is the same.
-    `manifest=False` hashes nothing and writes no manifest (measuring what hashing costs).
+    `manifest=False` hashes nothing and writes no manifest (measuring what hashing costs); `threads` (0: every
+    CPU) hash the manifest's digests side by side (digest.py).
     `reads` are the other files the run reads (a policy, an imatrix, ...): no path it writes may be one of them, nor
     one of `inputs` (paths.refuse_overlap). `reports` are renamed into place with the file(s) (paths.Report).
     """
@@ -81,7 +84,7 @@ class GGUFStreamWriter:
                  force: bool = False, tool: str = "kimi-convert", inputs: Iterable[Path] = (),
                  settings: dict[str, str] | None = None, resume: bool = False, manifest: bool = True,
                  reads: Iterable[Input] = (), reports: Iterable[tuple[Report, str]] = (),
-                 log: Callable[[str], None] = lambda s: None):
+                 log: Callable[[str], None] = lambda s: None, threads: int = 0):
         if resume and not manifest:
             raise ValueError("resume needs the manifest's journal")
         self.out = Path(out)
@@ -92,6 +95,7 @@ class GGUFStreamWriter:
         self.tool, self.inputs, self.settings = tool, list(inputs), dict(settings or {})
         self.split = _split_setting(split_max_size, split_max_tensors)
         self.resume, self.manifest, self.log = resume, manifest, log
+        self.threads = threads_or_all(threads)          # the manifest's hashing (digest.py)
         self.journal: Path | None = None
         self.took_over = False      # the partial folder is an earlier run's, taken over by --resume
         self.reads = [*reads, *(Input(Path(p), "input file") for p in self.inputs)]
@@ -174,7 +178,7 @@ class GGUFStreamWriter:
 
     def _plan(self, heads: list[bytes]) -> dict[str, str]:
         layout = hashlib.sha256(b"".join(hashlib.sha256(h).digest() for h in heads)).hexdigest()
-        return {"tool": mf.tool_version(self.tool), **self.settings, "split": self.split,
+        return {"tool": mf.tool_version(self.tool), "hash": TREE, **self.settings, "split": self.split,
                 "input": mf.input_digest(self.inputs), "layout": layout}
 
     def _take_over(self, finals: list[Path], heads: list[bytes]) -> dict[int, mf.FileEntry]:
@@ -223,7 +227,7 @@ class GGUFStreamWriter:
             i = index.get(e.name)
             if i is None or e.header_sha256 != hashlib.sha256(heads[i]).hexdigest():
                 continue                    # not this plan's part (the plans are equal: cannot happen)
-            differences, _ = mf.check_file(self.tmp_dir / e.name, e)
+            differences, _ = mf.check_file(self.tmp_dir / e.name, e, TREE, self.threads)
             if differences:
                 first = differences[0].line().removeprefix(f"{e.name}: ")
                 self.log(f"--resume: {e.name} is not as its journal says ({first}); writing it again")
@@ -265,7 +269,7 @@ class GGUFStreamWriter:
             with open_sink(fout, sum(mf.padded(t.nbytes, align) for t in part)) as sink:
                 for t in part:
                     deliver_postponed()         # a signal a finalizer kept (interrupts.postpone) stops us here
-                    sink.digest = hashlib.sha256() if self.manifest else None
+                    sink.digest = TreeDigest(self.threads) if self.manifest else None
                     written = 0
                     for chunk in chunks.of(t):
                         n = sink.put(chunk, sources)

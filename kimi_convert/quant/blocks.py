@@ -10,7 +10,6 @@ types TQ1_0, TQ2_0, Q1_0, Q2_0, MXFP4 and NVFP4 ignore the imatrix (Q1_0 and Q2_
 from __future__ import annotations
 
 import gc
-import os
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache, partial
 from typing import Callable, ClassVar, Iterable
@@ -19,6 +18,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 from gguf import quants as _gguf_quants
 
+from ..cores import default_threads
 from ..gguf_io import Q2_0 as _Q2_0
 from ..gguf_io import QUANT_SIZES, ggml_type
 from ..native import Kernel
@@ -139,9 +139,6 @@ def _pool(threads: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(threads, thread_name_prefix="kimi-quant")
 
 
-def default_threads() -> int:
-    """The CPUs this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 # --- float types: conversions, not block quantizers (ggml_quantize_chunk's F32/F16/BF16 cases) ---

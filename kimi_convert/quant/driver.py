@@ -103,6 +103,17 @@ def quantize_file(src: Path, out: Path, policy: Policy, *, imatrix: Imatrix | No
     policy.check_requirements(imatrix=imatrix is not None, allow_requantize=allow_requantize)
     gf = open_gguf(Path(src))
     plan = plan_file(gf, policy, allow_requantize=allow_requantize, strict=strict, imatrix=imatrix is not None)
+    return write_plan(gf, plan, out, policy, imatrix=imatrix, force=force, split_max_size=split_max_size,
+                      keep_split=keep_split, threads=threads, on_bytes=on_bytes, log=log, resume=resume,
+                      reports=reports)
+
+
+def write_plan(gf: GGUFFile, plan: QuantPlan, out: Path, policy: Policy, *, imatrix: Imatrix | None = None,
+               force: bool = False, split_max_size: int = 0, keep_split: bool = False, threads: int = 0,
+               on_bytes: Callable[[int], None] = lambda n: None, log: Callable[[str], None] = lambda s: None,
+               resume: bool = False, reports: Iterable[tuple[Report, str]] = ()) -> QuantizeResult:
+    """Write `plan` (plan_file of the open input `gf` by `policy`) into `out`: what quantize_file does once the
+    input is open and planned, so a caller that has planned already (kimi-quantize) opens and plans it once."""
     reports = list(reports)
     reads = run_inputs(gf.paths[0], policy, imatrix)
     notes: list[str] = []
@@ -114,7 +125,7 @@ def quantize_file(src: Path, out: Path, policy: Policy, *, imatrix: Imatrix | No
     writer = GGUFStreamWriter(Path(out), gf.arch, split_max_size=split_max_size, force=force, tool="kimi-quantize",
                               inputs=gf.paths + ([Path(imatrix.path)] if imatrix is not None else []),
                               settings={"policy": policy.source, "keep-split": "yes" if keep_split else "no"},
-                              resume=resume, reads=reads, reports=reports, log=log)
+                              resume=resume, reads=reads, reports=reports, log=log, threads=threads)
     for key, value, vtype, sub in metadata(stored_metadata(gf), file_type(policy, stored_file_type(gf)), extra):
         writer.add_kv(key, value, vtype, sub)
     part = {p: i for i, p in enumerate(gf.paths)}

@@ -19,8 +19,9 @@ from .measure import ErrorCache, RowReader, gguf_rows, token_shares, unit_errors
 from .solver import Point, Solution, lower_hull, lp_bound_two, solve
 from .units import ROUTED_EXPERTS, Decisions, Unit, held, split_decisions
 
-# measured costs of the given types of each decision, replacing the weight errors (sensitivity.KldCosts)
-Costs = Callable[[tuple[Unit, ...], list], list]
+# measured costs of the given types of each decision (given also each decision's weight error per type),
+# replacing the weight errors (sensitivity.KldCosts)
+Costs = Callable[[tuple[Unit, ...], list, list], list]
 
 
 @dataclass
@@ -111,7 +112,7 @@ def choose_decided(decisions: Decisions, budget_bytes: int, rows: RowReader, bas
     measure = None
     if sensitivity is not None:       # the weight errors' hull types, re-costed by the output's divergence
         types = [[p.qtype for p in lower_hull(h)] for h in points]
-        costs = sensitivity(decisions.units, types)
+        costs = sensitivity(decisions.units, types, [{p.qtype: p.error for p in h} for h in points])
         points = [[Point(t, u.nbytes(t), c[t]) for t in ts] for u, ts, c in zip(decisions.units, types, costs)]
         measure = sensitivity.describe()
     solution = split_solve(decisions, points, budget_bytes, gpu_budget)
