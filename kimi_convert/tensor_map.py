@@ -9,32 +9,24 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 from gguf import GGMLQuantizationType as QT
 
 from .constants import HF_DROPPED_PREFIXES, HF_TEXT_PREFIX, T, tname
+from .convert.transforms import A_LOG, CONV1D, COPY, EXPERTS, K_B, RES_SCORE, V_B, Transform  # noqa: F401
 from .model import KimiConfig
 
 Shape = tuple[int, ...]
 
-# transforms (what convert.py does to the source bytes)
-COPY = "copy"              # bytes unchanged (or a dtype cast)
-RES_SCORE = "res_score"    # norm.weight * proj.weight, flattened, F32
-CONV1D = "conv1d"          # [Di,1,K] -> numpy (1,Di,1,K): a pure reshape
-A_LOG = "a_log"            # -exp(A_log[:n_head]), F32
-K_B = "k_b"                # kv_b rows per head [k_nope; v] -> k part, transposed to (H, r, d_n)
-V_B = "v_b"                # kv_b -> v part (H, d_v, r)
-EXPERTS = "experts"        # per-expert matrices stacked over E (MXFP4 repacked bit-exactly)
-
-
+# transforms (what the converter does to the source bytes): objects of convert/transforms.py, one class each
 @dataclass(frozen=True)
 class Rule:
     gguf: str                                  # constants.T template
     hf: tuple[str, ...]                        # HF names (after sanitize), "{bid}" for the layer
     when: str                                  # layer predicate, see LAYER_KINDS
     hf_shapes: Callable[[KimiConfig], tuple[Shape, ...]]
-    transform: str = COPY
+    transform: Transform = COPY
     f32: bool = False                          # kept F32 whatever the outtype (llama.cpp does)
     group: str = "other"                       # for the plan summary
 
@@ -162,35 +154,32 @@ def expert_sources(rule: Rule, bid: int, n_expert: int, mxfp4: bool, prefix: str
 
 
 def gguf_shape(rule: Rule, c: KimiConfig) -> Shape:
-    """Numpy-order shape of the GGUF tensor a rule makes."""
-    hf = rule.hf_shapes(c)[0]
-    if rule.transform == RES_SCORE:
-        return (c.n_embd,)
-    if rule.transform == CONV1D:
-        return (1, c.d_inner, 1, c.conv_kernel)
-    if rule.transform == A_LOG:
-        return (c.n_head,)
-    if rule.transform == K_B:
-        return (c.n_head, c.kv_lora_rank, c.qk_nope_head_dim)
-    if rule.transform == V_B:
-        return (c.n_head, c.v_head_dim, c.kv_lora_rank)
-    if rule.transform == EXPERTS:
-        return (c.n_expert, *hf)
-    return hf
+    """Numpy-order shape of the GGUF tensor a rule makes: its transform's, from the first source's shape."""
+    return rule.transform.gguf_shape(rule.hf_shapes(c)[0], c)
+
+
+def walk(c: KimiConfig) -> Iterator[tuple[Rule, int | None]]:
+    """Every (rule, layer) the architecture implies, in the converted file's order (the embedding, the layers,
+    then the output norm, head and score): the one walk over the table that the converter, the one pass, the
+    runtime and verification share (layer None for a global rule)."""
+    yield GLOBAL_RULES[0], None
+    for il in range(c.n_layer):
+        for r in LAYER_RULES:
+            if LAYER_KINDS[r.when](c, il):
+                yield r, il
+    for r in GLOBAL_RULES[1:]:
+        yield r, None
 
 
 def gguf_tensors(c: KimiConfig) -> dict[str, tuple[Rule, Shape]]:
-    """Every GGUF tensor the architecture implies: name -> (rule, numpy shape), as build_plan walks the table."""
-    out = {tname(r.gguf): (r, gguf_shape(r, c)) for r in GLOBAL_RULES}
-    for il in range(c.n_layer):
-        out |= {tname(r.gguf, il): (r, gguf_shape(r, c)) for r in LAYER_RULES if LAYER_KINDS[r.when](c, il)}
-    return out
+    """Every GGUF tensor the architecture implies: name -> (rule, numpy shape), in file order (walk)."""
+    return {tname(r.gguf, il): (r, gguf_shape(r, c)) for r, il in walk(c)}
 
 
 def stored_type(rule: Rule, c: KimiConfig, float_type: QT) -> QT:
     """The type kimi-convert writes a tensor in: MXFP4 experts stay MXFP4, `f32` rules are F32 (as llama.cpp's
     converter keeps them), the rest `float_type` (--outtype)."""
-    if rule.transform == EXPERTS and c.experts_mxfp4:
+    if rule.transform is EXPERTS and c.experts_mxfp4:
         return QT.MXFP4
     return QT.F32 if rule.f32 else float_type
 

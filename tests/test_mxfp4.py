@@ -147,7 +147,8 @@ def test_expert_producer_repacks_in_order_and_stops_cleanly(tmp_path):
     """_produce of a stacked MXFP4 tensor yields each expert's repack in expert order (jobs run threads +
     REPACK_AHEAD ahead on a pool of 2 threads); closed after the first, it cancels or waits for the jobs in flight and closes the shards
     it opened, so no job reads a closed (or reused) descriptor."""
-    from kimi_convert.convert.converter import REPACK_AHEAD, _produce, build_plan
+    from kimi_convert.convert.converter import _produce, build_plan
+    from kimi_convert.convert.transforms import REPACK_AHEAD
     from kimi_convert.fixtures.make_checkpoint import make_checkpoint
     n = 2 + REPACK_AHEAD + 4
     plan = build_plan(make_checkpoint(tmp_path / "k3", arch="k3", n_layers=2, num_experts=n), threads=2)

@@ -450,7 +450,7 @@ def _traced_peak(plan, first: str, measured: str, max_chunks: int = 8) -> int:
     `measured` is held a moment, as a writer slower than the producer holds it: so the MXFP4 repack pool is
     threads + REPACK_AHEAD experts ahead at the peak, as in a real run, whatever else the machine is doing (a consumer
     faster than a slowed pool would catch a lower peak)."""
-    from kimi_convert.convert.converter import IN_FLIGHT
+    from kimi_convert.convert.transforms import IN_FLIGHT
     names = [t.name for t in plan.tensors]
     kept: list = []
     tracemalloc.start()

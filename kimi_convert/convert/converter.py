@@ -9,10 +9,7 @@ is ever held whole unless it is small (the fused and split ones are a few MB at 
 from __future__ import annotations
 
 import time
-from collections import defaultdict, deque
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import wait as futures_wait
-from functools import lru_cache
+from collections import defaultdict
 from itertools import chain
 from operator import attrgetter
 from dataclasses import dataclass, field
@@ -25,20 +22,19 @@ from gguf import GGMLQuantizationType as QT
 
 from . import mxfp4
 from .. import native
-from .checkpoint import DTYPE_SIZE, Checkpoint, SourceTensor, checkpoint_inputs, f32_to_bf16, to_f32
+from .checkpoint import Checkpoint, SourceTensor, checkpoint_inputs
 from ..constants import HF_TEXT_PREFIX, tname
 from ..errors import CheckpointError, ConfigError
 from ..gcutil import gc_paused
 from ..memory import peak_rss
-from ..gguf_io import (COPY_CHUNK, DirectSink, DiskRoom, FileRange, GGUFStreamWriter, OutTensor, Prefetch,
-                       SourceFiles, check_free_disk, check_output_paths, check_split_max_size, disk_bytes, disk_room,
-                       split_paths, stale_partials, tensor_nbytes, written_paths)
+from ..gguf_io import (DirectSink, DiskRoom, GGUFStreamWriter, OutTensor, check_free_disk, check_output_paths,
+                       check_split_max_size, disk_bytes, disk_room, split_paths, stale_partials, tensor_nbytes,
+                       written_paths)
 from ..cores import threads_or_all
 from ..model import KimiConfig
 from ..paths import Input, refuse_overlap
-from .shard_io import read_tensors
-from ..tensor_map import (A_LOG, CONV1D, COPY, EXPERTS, GLOBAL_RULES, K_B, LAYER_KINDS, LAYER_RULES,
-                          RES_SCORE, V_B, Rule, expert_sources, gguf_shape, sanitize, stored_type)
+from ..tensor_map import EXPERTS, Rule, expert_sources, gguf_shape, sanitize, stored_type, walk
+from .transforms import Experts, repack_pool
 
 if TYPE_CHECKING:
     from ..quant.onepass import OnePass
@@ -53,10 +49,6 @@ BASE_RSS = 56 << 20           # interpreter, numpy, gguf, typer, rich: 54 MiB fo
 INDEX_BYTES_PER_TENSOR = 340  # index and plan, per source tensor: 324 B measured from 144k to 497k
 VOCAB_BYTES_PER_TOKEN = 320   # token strings, merges and types: 300 B resident, 313 B at the peak of loading
 WRITE_BUFFERS = DirectSink.STAGE * DirectSink.BUFFERS   # O_DIRECT staging of a big output (staging_bytes)
-IN_FLIGHT = Prefetch.DEPTH + 1  # produced chunks alive at once: the queue, plus the one being staged
-REPACK_AHEAD = 4              # MXFP4 experts repacked ahead of the one the writer takes, beyond one a thread
-READ_AHEAD = 4                # experts requested from the disk (fadvise) beyond those
-CAST_CHUNK = 16 << 20         # source bytes cast per chunk (--outtype f32): 4 such chunks in flight
 _LAYOUT = attrgetter("dtype", "shape")
 
 
@@ -76,35 +68,9 @@ class PlannedTensor:
 
     @property
     def work_bytes(self) -> int:
-        """RAM this tensor's producer (see _produce) and its chunks in flight need at once.
-
-        Per transform, the producer's temporaries plus the produced chunks in flight (at most
-        IN_FLIGHT), in MiB as measured with tracemalloc on the real widths: MXFP4 experts 50-56 MiB
-        (estimated 61), kv_b's split 48 (48) in bf16 and 108 (120) in f32, the router's
-        widening to F32 61 (73), a 16 MB-block cast of a big tensor 208 (224); a verbatim copy
-        needs nothing.
-        """
-        src = sum(s.nbytes for s in self.sources[0])
-        tr = self.rule.transform
-        if tr == EXPERTS and len(self.sources[0]) == 2:
-            # each repack thread's read buffer; the experts repacked ahead, the one being handed over and
-            # those in flight (_repacked_experts)
-            ahead = self.threads + REPACK_AHEAD
-            return self.threads * src + (ahead + 1 + IN_FLIGHT) * (self.nbytes // len(self.sources))
-        cast = self.sources[0][0].dtype != _src_dtype(self.qtype)
-        if tr in (COPY, CONV1D, EXPERTS):
-            if not cast:
-                return 0          # byte ranges, read straight into the write buffers
-            step = min(src, CAST_CHUNK)                    # about: _copy cuts at whole rows
-            chunk = step * tensor_nbytes(self.qtype, (1,)) // DTYPE_SIZE[self.sources[0][0].dtype]
-            n_chunks = -(-src // step)
-            # two raw blocks (the next is read before the last is let go), the chunk being made and
-            # its widening temporary, and the earlier chunks still in flight
-            return 2 * step + 2 * chunk + min(IN_FLIGHT, n_chunks - 1) * chunk
-        if tr in (K_B, V_B):
-            # all of kv_b read, the half made (and widened), the other half waiting
-            return src + (3 if cast else 1) * self.nbytes + self.nbytes
-        return 8 * src + 4 * self.nbytes          # the small fused tensors (a few KB)
+        """RAM this tensor's producer and its chunks in flight need at once: its transform's figure
+        (transforms.py; each measured with tracemalloc on the real widths, test_real_size.py)."""
+        return self.rule.transform.work_bytes(self)
 
 
 @dataclass
@@ -179,10 +145,7 @@ def build_plan(hf_dir: Path, outtype: str = "bf16", threads: int = 0) -> Plan:
     ckpt = Checkpoint(hf_dir)
     planner = _Planner(cfg, ckpt.tensors, outtype, hf_dir, threads_or_all(threads))
     with gc_paused():       # 250k source tuples; full collections over the index would find nothing
-        tensors = [planner.plan(r, None) for r in GLOBAL_RULES[:1]]
-        for il in range(cfg.n_layer):
-            tensors += [planner.plan(r, il) for r in LAYER_RULES if LAYER_KINDS[r.when](cfg, il)]
-        tensors += [planner.plan(r, None) for r in GLOBAL_RULES[1:]]
+        tensors = [planner.plan(r, il) for r, il in walk(cfg)]
     planner.check_all_used()
     return Plan(hf_dir, cfg, ckpt, outtype, tensors, planner.dropped, planner.threads)
 
@@ -299,118 +262,9 @@ class _Planner:
 # ------------------------------------------------------------------------------------
 # producing bytes
 
-def _src_dtype(qtype: QT) -> str:
-    return {QT.BF16: "BF16", QT.F32: "F32", QT.F16: "F16"}.get(qtype, "")
-
-
-def cast(values: np.ndarray, src_dtype: str, qtype: QT) -> np.ndarray:
-    """Stored values (BF16 as uint16 bits) -> the bytes of `qtype`; BF16->BF16 is untouched."""
-    if src_dtype == _src_dtype(qtype):
-        return values
-    f = to_f32(values, src_dtype)
-    if qtype == QT.F32:
-        return f
-    if qtype == QT.BF16:
-        return f32_to_bf16(f)
-    if qtype == QT.F16:
-        return f.astype(np.float16)
-    raise ValueError(f"cannot cast {src_dtype} to {qtype.name}")
-
-
 def _produce(p: PlannedTensor, ckpt: Checkpoint, cfg: KimiConfig) -> Iterator:
-    tr = p.rule.transform
-    if tr in (COPY, CONV1D):
-        yield from _copy(p.sources[0][0], p.qtype, ckpt)
-    elif tr == RES_SCORE:
-        norm, proj = (ckpt.read_f32(t).reshape(-1) for t in p.sources[0])
-        yield (norm * proj).astype(np.float32)
-    elif tr == A_LOG:
-        yield ssm_a(ckpt.read_f32(p.sources[0][0]), cfg.n_head)
-    elif tr in (K_B, V_B):
-        yield _split_kv_b(p, ckpt, cfg)
-    elif tr == EXPERTS and len(p.sources[0]) == 2:
-        yield from _repacked_experts(p.sources, ckpt, p.threads)
-    elif tr == EXPERTS:
-        for e, group in enumerate(p.sources):
-            _ask_disk_ahead(p.sources, e, READ_AHEAD, ckpt)
-            yield from _copy(group[0], p.qtype, ckpt)
-    else:
-        raise AssertionError(f"unknown transform {tr}")
-
-
-def _repacked_experts(experts: list[tuple[SourceTensor, ...]], ckpt: Checkpoint,
-                      threads: int) -> Iterator[np.ndarray]:
-    """Each MXFP4 expert (packed, scale) repacked, in order. Experts are read (shard_io: one preadv into a
-    buffer the thread reuses) and repacked (the compiled kernel, which drops the GIL) on a pool of `threads`,
-    threads + REPACK_AHEAD experts ahead of the writer, so that every core works while it writes; the disk is
-    asked for the READ_AHEAD experts beyond those, since they are read out of file order (every w1, then
-    every w2, ...)."""
-    pool, pending, ahead = _repack_pool(threads), deque(), threads + REPACK_AHEAD
-    with SourceFiles() as files:
-        try:
-            for e, group in enumerate(experts):
-                _ask_disk_ahead(experts, e, ahead + READ_AHEAD, ckpt)
-                pending.append(pool.submit(_read_repacked, group, [files.fd(t.path) for t in group]))
-                if len(pending) > ahead:
-                    yield pending.popleft().result()
-            while pending:
-                yield pending.popleft().result()
-        finally:            # the writer stopped early: no job may read from the files about to be closed
-            for job in pending:
-                job.cancel()
-            futures_wait(pending)
-
-
-def _ask_disk_ahead(experts: list[tuple[SourceTensor, ...]], e: int, ahead: int, ckpt: Checkpoint) -> None:
-    """As expert e is read, ask the disk (fadvise) for expert e + ahead, and at the start for those before it:
-    the experts of a stacked tensor are read out of file order (every w1, then every w2, ...)."""
-    for t in chain.from_iterable(experts[e + ahead:e + ahead + 1] if e else experts[:ahead + 1]):
-        ckpt.will_need(t)
-
-
-def _read_repacked(group: tuple[SourceTensor, ...], fds: list[int]) -> np.ndarray:
-    packed, scale = read_tensors(group, fds)
-    out = np.empty((packed.shape[0], packed.shape[1] * 2 // mxfp4.BLOCK * mxfp4.BLOCK_BYTES), np.uint8)
-    mxfp4.repack_into(packed, scale, out)
-    return out
-
-
-@lru_cache(maxsize=None)
-def _repack_pool(threads: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(threads, thread_name_prefix="kimi-repack")
-
-
-def ssm_a(a_log: np.ndarray, n_head: int) -> np.ndarray:
-    """-exp(A_log[:H]), correctly rounded: exp in float64, one rounding to float32 (a float32 exp,
-    numpy's or torch's, is only within 1-2 ulp of it)."""
-    return (-np.exp(a_log[:n_head].astype(np.float64))).astype(np.float32)
-
-
-def _copy(t: SourceTensor, qtype: QT, ckpt: Checkpoint) -> Iterator:
-    """Verbatim when the type is unchanged (kernel copy), else a cast in row blocks."""
-    if t.dtype == _src_dtype(qtype):
-        for off in range(0, t.nbytes, COPY_CHUNK):
-            yield FileRange(t.path, t.offset + off, min(COPY_CHUNK, t.nbytes - off))
-        return
-    row_bytes = t.nbytes // (t.shape[0] if len(t.shape) > 1 else 1)
-    rows_per_chunk = max(1, CAST_CHUNK // max(row_bytes, 1))
-    n_rows = t.shape[0] if len(t.shape) > 1 else 1
-    from .checkpoint import NUMPY_DTYPE
-    for r in range(0, n_rows, rows_per_chunk):
-        n = min(rows_per_chunk, n_rows - r)
-        raw = ckpt.read_raw(t, r * row_bytes, n * row_bytes)
-        yield cast(np.frombuffer(raw, dtype=NUMPY_DTYPE[t.dtype]), t.dtype, qtype)
-
-
-def _split_kv_b(p: PlannedTensor, ckpt: Checkpoint, cfg: KimiConfig) -> np.ndarray:
-    """kv_b rows per head are [k_nope (d_n); v (d_v)]: k_b is (H, r, d_n), v_b (H, d_v, r)."""
-    t = p.sources[0][0]
-    kv = ckpt.read(t).reshape(cfg.n_head, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
-    if p.rule.transform == K_B:
-        part = kv[:, :cfg.qk_nope_head_dim, :].transpose(0, 2, 1)
-    else:
-        part = kv[:, cfg.qk_nope_head_dim:, :]
-    return cast(np.ascontiguousarray(part), t.dtype, p.qtype)
+    """The tensor's bytes, as its transform makes them (transforms.py)."""
+    return p.rule.transform.produce(p, ckpt, cfg)
 
 
 # ------------------------------------------------------------------------------------
@@ -491,39 +345,11 @@ def plan_policy(plan: Plan, policy: "Policy", *, imatrix=None, allow_requantize:
 
 def row_reader(plan: Plan) -> Callable[[str, int], np.ndarray | None]:
     """(tensor, row) -> that one row as the converted file stores it (uint8 bytes of its type), read from the
-    checkpoint alone, or None for a transform whose rows are only made whole (RES_SCORE, A_LOG, K_B, V_B: small
-    tensors). A copied or cast row is one pread of its bytes; a row of an MXFP4 expert is its codes and scales
-    (two preads) repacked. --target-size samples so a few rows of each expert, not the checkpoint."""
-    from .checkpoint import NUMPY_DTYPE
+    checkpoint alone (its transform's row reader), or None for a transform whose rows are only made whole
+    (RES_SCORE, A_LOG, K_B, V_B: small tensors). --target-size samples so a few rows of each expert, not the
+    checkpoint."""
     by_name = {t.name: t for t in plan.tensors}
-    ckpt = plan.checkpoint
-
-    def read(name: str, row: int) -> np.ndarray | None:
-        p = by_name[name]
-        if p.rule.transform not in (COPY, CONV1D, EXPERTS):
-            return None
-        group, local = _row_source(p, row)
-        n = p.shape[-1]
-        if len(group) == 2:                     # an MXFP4 expert: (packed codes, E8M0 scales)
-            codes = np.frombuffer(ckpt.read_raw(group[0], local * n // 2, n // 2), np.uint8).reshape(1, -1)
-            scales = np.frombuffer(ckpt.read_raw(group[1], local * n // mxfp4.BLOCK, n // mxfp4.BLOCK),
-                                   np.uint8).reshape(1, -1)
-            out = np.empty((1, n // mxfp4.BLOCK * mxfp4.BLOCK_BYTES), np.uint8)
-            mxfp4.repack_into(codes, scales, out)
-            return out.reshape(-1)
-        t = group[0]
-        itemsize = np.dtype(NUMPY_DTYPE[t.dtype]).itemsize
-        values = np.frombuffer(ckpt.read_raw(t, local * n * itemsize, n * itemsize), NUMPY_DTYPE[t.dtype])
-        return np.ascontiguousarray(cast(values, t.dtype, p.qtype)).view(np.uint8).reshape(-1)
-    return read
-
-
-def _row_source(p: PlannedTensor, row: int) -> tuple[tuple[SourceTensor, ...], int]:
-    """The source tensors row `row` of `p` (counted across its matrices) is made from, and its row in them:
-    an expert's own tensors in a stacked expert tensor, else the one source."""
-    if p.rule.transform == EXPERTS and len(p.shape) == 3:
-        return p.sources[row // p.shape[-2]], row % p.shape[-2]
-    return p.sources[0], row
+    return lambda name, row: by_name[name].rule.transform.row(by_name[name], plan.checkpoint, row)
 
 
 def producers(plan: Plan) -> dict[str, Callable[[], Iterator]]:
@@ -536,7 +362,9 @@ def _source_of(plan: Plan) -> Callable[[str, int], str]:
     by_name = {t.name: t for t in plan.tensors}
 
     def source_of(name: str, row: int) -> str:
-        source = _row_source(by_name[name], row)[0][0]
+        p = by_name[name]
+        stacked = p.rule.transform is EXPERTS and len(p.shape) == 3
+        source = (Experts.source_of(p, row) if stacked else (p.sources[0], row))[0][0]
         return f"{source.path}: {source.name}"
     return source_of
 
@@ -575,7 +403,7 @@ def convert(plan: Plan, out: Path, *, split_max_tensors: int = 0, split_max_size
                               threads=plan.threads)
     produce = [(lambda t=t: _produce(t, ckpt, cfg)) for t in plan.tensors]
     if plan.repack_rss:
-        _repack_pool(plan.threads).submit(mxfp4.load_kernel)        # the kernel's load overlaps the tensors before the experts
+        repack_pool(plan.threads).submit(mxfp4.load_kernel)        # the kernel's load overlaps the tensors before the experts
     if quant is None:
         add_metadata(writer, plan, pre.vocab)
         outs = [OutTensor(t.name, t.qtype, t.shape, p) for t, p in zip(plan.tensors, produce)]

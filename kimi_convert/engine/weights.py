@@ -26,9 +26,8 @@ from ..convert.values import converted_pieces, expert_values, round_to
 from ..errors import CheckpointError
 from ..gguf_io import GGUFFile, dequantize, open_gguf
 from ..model import KimiConfig
-from ..tensor_map import CONV1D, COPY, EXPERTS, K_B, V_B, gguf_tensors
+from ..tensor_map import K_B, V_B, gguf_tensors
 
-RESHAPES = (COPY, CONV1D, K_B, V_B, EXPERTS)     # transforms that move values without computing new ones
 ROW_SLAB_BYTES = 16 << 20      # bytes of a 2-D tensor dequantized at a time for a row lookup
 
 
@@ -140,20 +139,17 @@ class CheckpointSource:
     def _stored(values: np.ndarray, p) -> np.ndarray:
         """The values as kimi-convert stores them: rounded to BF16 unless they already are (a BF16 source copied,
         which is most of the model: the rounding would cost a fifth of a layer's time for nothing)."""
-        exact = all(s.dtype == "BF16" for group in p.sources for s in group) and p.rule.transform in RESHAPES
+        exact = all(s.dtype == "BF16" for group in p.sources for s in group) and p.rule.transform.moves_values
         return values if exact else round_to(values, p.qtype)
 
     def _kv_b_half(self, p) -> np.ndarray:
-        """attn_k_b [H, r, d_n] or attn_v_b [H, d_v, r] from the one kv_b_proj read (converter._split_kv_b)."""
+        """attn_k_b [H, r, d_n] or attn_v_b [H, d_v, r] from the one kv_b_proj read (its transform's half)."""
         src, cfg = p.sources[0][0], self.config
         if self._kv_b is None or self._kv_b[0] != src.name:
             self.bytes_read += src.nbytes
             kv = self.plan.checkpoint.read_f32(src)
-            self._kv_b = (src.name, kv.reshape(cfg.n_head, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank))
-        kv = self._kv_b[1]
-        half = kv[:, :cfg.qk_nope_head_dim].transpose(0, 2, 1) if p.rule.transform == K_B \
-            else kv[:, cfg.qk_nope_head_dim:]
-        return self._stored(np.ascontiguousarray(half), p)
+            self._kv_b = (src.name, kv)
+        return self._stored(np.ascontiguousarray(p.rule.transform.half(self._kv_b[1], cfg)), p)
 
     def expert(self, name: str, e: int) -> np.ndarray:
         p = self.by_name[name]

@@ -9,17 +9,17 @@ from typing import Any, Callable
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-from ..convert import mxfp4
 from ..convert.checkpoint import Checkpoint
-from ..convert.converter import OUTTYPES, ssm_a
-from ..convert.values import converted_pieces, round_to, source_rows
+from ..convert.converter import OUTTYPES
+from ..convert.transforms import ssm_a
+from ..convert.values import converted_pieces, round_to
 from ..errors import KimiError
 from ..gguf_io import GGUFFile, GGUFTensor, dequantize, same_shape
 from ..model import KimiConfig
 from ..quant.driver import imatrix_vectors, quantize_rows
 from ..quant.imatrix import Imatrix
 from ..quant.plan import Decision, QuantPlan
-from ..tensor_map import A_LOG, COPY, EXPERTS
+from ..tensor_map import A_LOG, EXPERTS
 from .report import CONVERTED_TYPES, Part, _short
 
 # ------------------------------------------------------------------------------------
@@ -70,7 +70,7 @@ def is_quantized(p, t: GGUFTensor) -> bool:
 def compare_tensor(p, t: GGUFTensor, ckpt: Checkpoint, cfg: KimiConfig,
                    imatrix: Imatrix | None = None) -> dict[str, Any]:
     """One planned tensor against the GGUF one: a row of the tensors table."""
-    row: dict[str, Any] = {"tensor": p.name, "type": t.qtype.name, "transform": p.rule.transform}
+    row: dict[str, Any] = {"tensor": p.name, "type": t.qtype.name, "transform": p.rule.transform.name}
     if not same_shape(t.shape, p.shape):
         return row | {"ok": False, "mode": "shape", "detail": f"shape {list(t.shape)}, expected {list(p.shape)}"}
     t = t.as_shape(p.shape)
@@ -106,25 +106,8 @@ def compare_tensor(p, t: GGUFTensor, ckpt: Checkpoint, cfg: KimiConfig,
 
 def converted_rows(p, ckpt: Checkpoint, cfg: KimiConfig) -> Callable[[int, int], np.ndarray]:
     """rows(a, b): rows a..b-1 of planned tensor p seen as [rows, ne0] (rows counted across experts), as the
-    f32 values the converter computes. Reads only those rows; the small tensors (kv_b's halves, the conv,
-    the fused scores) are made whole once."""
-    if p.rule.transform == COPY and len(p.shape) == 2:
-        src = p.sources[0][0]
-        return lambda a, b: source_rows(src, ckpt, a, b)
-    if p.rule.transform == EXPERTS:
-        return lambda a, b: _expert_rows(p, ckpt, a, b)
-    whole = np.concatenate([np.asarray(x, np.float32).reshape(-1) for x, _ in converted_pieces(p, ckpt, cfg)])
-    whole = whole.reshape(-1, p.shape[-1])
-    return lambda a, b: whole[a:b]
-
-
-def _expert_rows(p, ckpt: Checkpoint, a: int, b: int) -> np.ndarray:
-    e, r = divmod(a, p.shape[-2])        # row_chunks never crosses an expert
-    group = p.sources[e]
-    if len(group) == 2:                  # MXFP4, as ggml dequantizes it for a re-quantization (no -0)
-        packed, scale = (ckpt.map(s) for s in group)
-        return mxfp4.decode_compressed(packed[r:r + b - a], scale[r:r + b - a]) + np.float32(0)
-    return source_rows(group[0], ckpt, r, r + b - a)
+    f32 values the converter computes: its transform's reader (reading only those rows of a matrix or expert)."""
+    return p.rule.transform.f32_rows(p, ckpt, cfg)
 
 
 def converted_types(p) -> tuple[QT, ...]:
