@@ -165,7 +165,7 @@ def correlation(gguf: Path, imatrix: Path, work: Path, log) -> dict:
     from kimi_convert.model import KimiConfig
     imat, gf = load_imatrix(imatrix), open_gguf(gguf)
     plan = plan_file(gf, no_base(), allow_requantize=True, imatrix=True)
-    units = split_decisions(plan, lambda d: imat.has_vector(d.name, d.shape), allow_requantize=True).units
+    units = split_decisions(plan, lambda d: imat.has_vector(d.name, d.shape)).units
     tok = model_tokenizer(gguf)
     ids = chunk_tokens(text_tokens(work / "train.txt", tok), CTX, SENSITIVITY_CHUNKS, None, work / "train.txt")
     sens = Sensitivity(gguf, ids, imat, cache_dir=sensitivity_cache_dir())

@@ -133,7 +133,7 @@ def quality(tmp: Path, threads: int, sequences: int = 16, length: int = 32) -> N
     imat_path = write_gguf_imatrix(tmp / "im.gguf", k3_entries({n: t.shape for n, t in gf.tensors.items()}))
     imat = load_imatrix(imat_path)
     plan = plan_file(gf, no_base(), allow_requantize=True, imatrix=True)
-    decisions = split_decisions(plan, lambda d: imat.has_vector(d.name, d.shape), allow_requantize=True)
+    decisions = split_decisions(plan, lambda d: imat.has_vector(d.name, d.shape))
     shares = token_shares(imat, expert_share(KimiConfig.from_gguf(gf.fields, gf.paths[0])))   # as choose's
     # every free tensor measured alone for every type its rows fit (larger ones too: a preset may choose them),
     # a decision's error then the sum over its tensors

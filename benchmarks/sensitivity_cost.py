@@ -37,7 +37,7 @@ def main() -> None:
     gf = open_gguf(a.gguf)
     cfg = KimiConfig.from_gguf(gf.fields, gf.paths[0])
     plan = plan_file(gf, no_base(), allow_requantize=True, imatrix=True)
-    units = split_decisions(plan, lambda d: True, allow_requantize=True).units
+    units = split_decisions(plan, lambda d: True).units
     layer_bytes = defaultdict(int)
     for name, t in gf.tensors.items():
         if name.startswith("blk."):

@@ -1,11 +1,19 @@
 """Shared fixtures: tiny real-format checkpoints, generated at run time, and their conversions."""
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from pathlib import Path
 
-import pytest
+# Under pytest-xdist (scripts/test.sh: one worker a core) a worker's torch, OpenBLAS and OpenMP get one thread,
+# and so do the commands it starts: two workers of two threads each on two cores spun in each other's way (a
+# torch test took 64 s in CI beside the other worker, 4 s alone). Set before numpy or torch is imported.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_var, "1")
+
+import pytest  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:

@@ -415,8 +415,7 @@ def test_real_model_budgets_hit_within_one_percent(arch, type_errors):
     from test_presets import real_tensors
     plan = plan_quantization(real_tensors(arch), no_base(), allow_requantize=True, imatrix=True,
                              model=ModelFacts.of(real_config(arch)))
-    decisions = split_decisions(plan, lambda d: d.name not in ("token_embd.weight", "output.weight"),
-                                allow_requantize=True)
+    decisions = split_decisions(plan, lambda d: d.name not in ("token_embd.weight", "output.weight"))
     assert sum(u.expert for u in decisions.units) == 184
     rng = np.random.default_rng(11)
     share = expert_share(real_config(arch))             # 16 / 896: no imatrix counts here

@@ -110,11 +110,10 @@ class ConvertJob:
         base_plan = plan_policy(plan, self.policy, imatrix=imat, allow_requantize=q.allow_requantize).plan
         weights = sum(int(np.prod(t.shape, dtype=np.int64)) for t in plan.tensors)
         decisions, budget_bytes = check_decisions(base_plan, weights, q.target.budget, imat,
-                                                  allow_requantize=q.allow_requantize,
                                                   gpu_budget=q.target.gpu_budget)
         rows = producer_rows(producers(plan), row_reader(plan))
         return choose_decided(decisions, budget_bytes, rows, self.policy, q.target.budget, imat,
-                              allow_requantize=q.allow_requantize, gpu_budget=q.target.gpu_budget,
+                              gpu_budget=q.target.gpu_budget,
                               threads=plan.threads, cache_dir=error_cache_dir(), inputs=self.inputs,
                               source=str(q.target.emit_policy or "the chosen policy"), note=self.note,
                               expert_share=expert_share(plan.config))

@@ -134,6 +134,7 @@ class QuantPlan:
     decisions: list[Decision]
     conflicts: list[Conflict] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    allow_requantize: bool = False      # what it was decided with: a budget's choice spends it alike (units.py)
 
     @property
     def conflict_groups(self) -> list[ConflictGroup]:
@@ -164,7 +165,8 @@ def plan_quantization(tensors: Iterable[tuple[str, tuple[int, ...], QT]], policy
     decided: list = [None] * len(tensors)
     for i in order:
         decided[i] = decide(*tensors[i], policy, allow_requantize, rules[names[i]], mixture)
-    plan = QuantPlan([d for d, _ in decided], [c for _, c in decided if c is not None])
+    plan = QuantPlan([d for d, _ in decided], [c for _, c in decided if c is not None],
+                     allow_requantize=allow_requantize)
     if strict and plan.conflicts:
         raise StrictError(plan.conflict_groups)
     requantized = [d for d in plan.decisions if d.requantized]

@@ -44,15 +44,14 @@ def feasible_decisions(gf: GGUFFile, base: Policy, budget: Budget, imat, *, allo
                        gpu_budget: int | None) -> tuple[Decisions, int]:
     """The decisions of file `gf` and the budget in bytes, after the feasibility checks (headers only)."""
     plan = plan_file(gf, base, allow_requantize=allow_requantize, imatrix=True)
-    return check_decisions(plan, n_weights(gf), budget, imat, allow_requantize=allow_requantize,
-                           gpu_budget=gpu_budget)
+    return check_decisions(plan, n_weights(gf), budget, imat, gpu_budget=gpu_budget)
 
 
-def check_decisions(plan: QuantPlan, weights: int, budget: Budget, imat, *, allow_requantize: bool,
+def check_decisions(plan: QuantPlan, weights: int, budget: Budget, imat, *,
                     gpu_budget: int | None) -> tuple[Decisions, int]:
     """The decisions of the BASE `plan` (of a model of `weights` elements) and the budget in bytes, after the
     feasibility checks: nothing is measured."""
-    decisions = split_decisions(plan, lambda d: imat.has_vector(d.name, d.shape), allow_requantize=allow_requantize)
+    decisions = split_decisions(plan, lambda d: imat.has_vector(d.name, d.shape))
     nbytes = budget.nbytes(weights)
     check_feasible(budget, nbytes, decisions.floor(), decisions.ceiling(), weights)
     if gpu_budget is not None:
@@ -75,7 +74,7 @@ def choose(gf: GGUFFile, base: Policy, budget: Budget, imat, *, allow_requantize
     decisions, budget_bytes = feasible_decisions(gf, base, budget, imat, allow_requantize=allow_requantize,
                                                  gpu_budget=gpu_budget)
     return choose_decided(decisions, budget_bytes, gguf_rows(gf), base, budget, imat,
-                          allow_requantize=allow_requantize, gpu_budget=gpu_budget, threads=threads,
+                          gpu_budget=gpu_budget, threads=threads,
                           cache_dir=cache_dir, inputs=inputs, source=source, note=note,
                           expert_share=expert_share(KimiConfig.from_gguf(gf.fields, gf.paths[0])),
                           sensitivity=sensitivity)
@@ -87,7 +86,7 @@ def expert_share(config: KimiConfig) -> float:
 
 
 def choose_decided(decisions: Decisions, budget_bytes: int, rows: RowReader, base: Policy, budget: Budget, imat, *,
-                   allow_requantize: bool, gpu_budget: int | None, threads: int, cache_dir: Path | None,
+                   gpu_budget: int | None, threads: int, cache_dir: Path | None,
                    source: str, note: Callable[[str], None], expert_share: float, inputs=(),
                    sensitivity: "Costs | None" = None) -> Choice:
     """Measure, solve and emit, for decisions checked by check_decisions; `rows` reads a tensor's stored rows
@@ -116,7 +115,7 @@ def choose_decided(decisions: Decisions, budget_bytes: int, rows: RowReader, bas
         points = [[Point(t, u.nbytes(t), c[t]) for t in ts] for u, ts, c in zip(decisions.units, types, costs)]
         measure = sensitivity.describe()
     solution = split_solve(decisions, points, budget_bytes, gpu_budget)
-    return _choice(decisions, points, solution, budget, budget_bytes, source, base, allow_requantize,
+    return _choice(decisions, points, solution, budget, budget_bytes, source, base,
                    f"imatrix {imat.path}", expert_share, measure)
 
 
@@ -156,7 +155,7 @@ def split_solve(decisions: Decisions, hulls: list, budget_bytes: int, gpu_budget
 
 
 def _choice(decisions: Decisions, hulls, solution: Solution, budget: Budget, budget_bytes: int, source: str,
-            base: Policy, allow_requantize: bool, imatrix: str, expert_share: float,
+            base: Policy, imatrix: str, expert_share: float,
             measure: str | None = None) -> Choice:
     chosen: list[Chosen] = []
     lines = []
@@ -170,7 +169,7 @@ def _choice(decisions: Decisions, hulls, solution: Solution, budget: Budget, bud
         lines.append(f"{u.key:<40} {p.qtype.name:>7} {decimal_size(p.nbytes):>28}  error {p.error:.4g}  "
                      f"(hull: {others}){off}")
     for d in decisions.fixed:
-        if not held(d, allow_requantize):
+        if not held(d, decisions.allow_requantize):
             chosen.append(Chosen((d,), d.target, None, f"fixed: {d.why}"))
     nbytes = decisions.fixed_bytes + solution.nbytes
     dense = _dense(decisions).fixed_bytes + sum(h[i].nbytes for u, h, i in zip(decisions.units, hulls,

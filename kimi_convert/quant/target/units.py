@@ -53,9 +53,11 @@ class Unit:
 
 @dataclass(frozen=True)
 class Decisions:
-    """The plan split into what the solver decides (`units`) and what it does not (`fixed`)."""
+    """The plan split into what the solver decides (`units`) and what it does not (`fixed`), with the plan's
+    allow_requantize (whether the MXFP4 experts are free)."""
     units: tuple[Unit, ...]
     fixed: tuple[Decision, ...]
+    allow_requantize: bool = False
 
     @property
     def fixed_bytes(self) -> int:
@@ -80,8 +82,10 @@ def unit_key(name: str) -> str:
     return f"blk.{m[1]}.ffn_{'gate_up' if m[2] in ('gate', 'up') else 'down'}_exps"
 
 
-def split_decisions(plan: QuantPlan, has_vector, *, allow_requantize: bool) -> Decisions:
-    """`plan`: the BASE policy's plan; `has_vector(decision)`: whether the imatrix has a vector for it."""
+def split_decisions(plan: QuantPlan, has_vector) -> Decisions:
+    """`plan`: the BASE policy's plan (its allow_requantize frees the MXFP4 experts); `has_vector(decision)`:
+    whether the imatrix has a vector for it."""
+    allow_requantize = plan.allow_requantize
     fixed, groups = [], {}
     for d in plan.decisions:
         if held(d, allow_requantize) or d.rule is not None:
@@ -97,7 +101,7 @@ def split_decisions(plan: QuantPlan, has_vector, *, allow_requantize: bool) -> D
         units.append(Unit(key, tuple(ds), cands))
     order = {d.name: i for i, d in enumerate(plan.decisions)}
     fixed.sort(key=lambda d: order[d.name])
-    return Decisions(tuple(units), tuple(fixed))
+    return Decisions(tuple(units), tuple(fixed), allow_requantize)
 
 
 def candidates(ds: list[Decision], has_vector, allow_requantize: bool) -> tuple[QT, ...]:
