@@ -137,6 +137,64 @@ def test_rounded_activations_agree_until_the_rounding_feeds_back(models, text, t
     assert np.mean(rel <= 2e-2) >= 0.9 and np.median(rel) <= 1e-3         # measured 0.95-0.98, 2e-4-4e-4
 
 
+def agreement(a, b) -> tuple[float, float]:
+    """(share of the expert counts that are equal, share of all in_sum2 entries within 1e-3 relative): issue 26's
+    two measures of equality."""
+    counts, rel = [], []
+    for n in b.names:
+        (sa, ca), (sb, cb) = a.raw(n), b.raw(n)
+        if "_exps" in n:
+            counts.append((ca == cb).ravel())
+        rel.append(relative(sa, sb).ravel())
+    return float(np.mean(np.concatenate(counts))), float(np.mean(np.concatenate(rel) <= 1e-3))
+
+
+@pytest.fixture(scope="module")
+def trained_models(tmp_path_factory):
+    """The trained K3 (fixtures/trained.py: routers with real margins), with its MXFP4 experts and with them
+    widened to BF16 (a checkpoint of its own, converted), and its training text."""
+    from dataclasses import replace
+    from kimi_convert.fixtures import trained
+    from kimi_convert.fixtures.make_checkpoint import dequant_mxfp4
+    d = tmp_path_factory.mktemp("trained")
+    values = trained.load_shipped("k3")
+    widened = {}
+    for k, v in values.items():
+        if k.endswith(".weight_packed"):
+            widened[k[:-len("_packed")]] = dequant_mxfp4(v, values[k[:-len("packed")] + "scale"])
+        elif not k.endswith(".weight_scale"):
+            widened[k] = v
+    spec = replace(trained.fixture_spec("k3"), experts_mxfp4=False)
+    hf_bf16 = make_checkpoint(d / "hf-bf16", spec, values=widened, tokenizer_corpus=trained.tokenizer_corpus())
+    out = {"bf16": d / "bf16.gguf", "mxfp4": d / "mxfp4.gguf"}
+    convert(build_plan(hf_bf16, "bf16"), out["bf16"])
+    convert(build_plan(trained.write(d / "hf-mxfp4", "k3"), "bf16"), out["mxfp4"])
+    text = d / "train.txt"
+    text.write_text(trained.read_text("train"))
+    return out, text
+
+
+@pytest.mark.parametrize("name", ["bf16", "mxfp4"])
+def test_rounded_activations_are_as_close_to_llama_imatrix_as_it_is_to_itself(trained_models, tmp_path, name):
+    """With rounded activations, llama-imatrix's own two attention paths (flash attention on, its default, and
+    off) disagree about as much as we disagree with it: a routing choice near a tie tips with float order, and
+    tips the tokens after it. Measured on the trained K3 (docs/verification.md): BF16 llama on/off 79.2% of the
+    expert counts equal and 70.3% of in_sum2 within 1e-3, ours/llama 77.1% and 68.9%; MXFP4 62.5% / 49.7%
+    against 62.5% / 52.5%; F32 100% for all. So we hold ours/llama to llama's own on/off distance, less 5 points
+    (the spread of 288 counts between runs of the two tools on one file). On the random-weight fixture, whose
+    routers are near ties everywhere, the rounding feeds back from the first layer and ours is further:
+    25-33% of the counts equal against llama's own 46-48% (test_rounded_activations_agree_until_...)."""
+    models, text = trained_models
+    ours, default = pair(models, name, text, tmp_path)
+    off = tmp_path / "theirs-fa-off.gguf"
+    llama_imatrix(models[name], text, off, ctx=CTX, chunks=CHUNKS, threads=2, batch=2048, extra=["-fa", "off"])
+    self_counts, self_sums = agreement(load_imatrix(off), default)
+    our_counts, our_sums = agreement(ours, default)
+    assert our_counts >= self_counts - 0.05 and our_sums >= self_sums - 0.05, \
+        (our_counts, self_counts, our_sums, self_sums)
+    assert self_counts < 0.99 or self_sums < 0.99        # llama.cpp itself misses issue 26's 99% here
+
+
 def test_llama_imatrix_adds_our_file_as_its_own(models, text, tmp_path):
     ours = kimi_imatrix(models["mxfp4"], text, tmp_path / "ours.gguf")
     both = tmp_path / "both.gguf"
