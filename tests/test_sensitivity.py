@@ -150,8 +150,12 @@ def test_unsampled_decisions_cost_their_weight_error_times_their_roles_measured_
              [units[f"blk.{il}.ffn_gate_up_exps"] for il in (1, 2, 3)]
     types = [[QT.Q4_0] if u.expert else [QT.Q4_0, QT.Q8_0] for u in picked]       # fast kernels: the scaling is tested
     errors = [{t: 1e-3 * (i + 1) * (4 if t == QT.Q4_0 else 1) for t in ts} for i, ts in enumerate(types)]
-    sens = Sensitivity(gguf, ids, imatrix)
-    costs = KldCosts(sens, text, layers_per_kind=2)(picked, types, errors)
+    sens, notes = Sensitivity(gguf, ids, imatrix), []
+    costs = KldCosts(sens, text, notes.append, layers_per_kind=2)(picked, types, errors)
+    # said before measuring: what is measured and what it costs (the passes: 8 variants from layers 0, 1, 3)
+    assert notes[0].startswith("sensitivity: 5 of 7 decisions measured (layers [0, 1, 3]): "
+                               f"{4 + 2 * 4 + 3 * 3 + 3 * 1:,} layer passes over 256 tokens"), notes[0]
+    assert " s a pass" in notes[0]
     # the kinds: layer 0 (attention only here), layers 1-3 (attention and experts): 0, 1 and 3 are measured
     assert sens.measured == 3 * 2 + 2 * 1
     for k in (2, 5):                                    # layer 2's two decisions: estimated

@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -111,6 +112,7 @@ class Sensitivity:
         self.scored = slice(self.ctx // 2, self.ctx - 1)
         self.cache_dir = cache_dir
         self.measured = self.cached = 0
+        self.baseline_seconds = 0.0
         self._base: Baseline | None = None
         self.max_variants = max_variants or self._variants_that_fit()
 
@@ -127,7 +129,9 @@ class Sensitivity:
 
     # --- the unquantized run ---
     def baseline(self) -> Baseline:
+        """The unquantized run, made once (its n_layer layer passes timed: baseline_seconds)."""
         if self._base is None:
+            start = time.perf_counter()
             snaps = []
             engine, states = self._engine(self.source), self._states()
             engine.embed(self.ids, states)
@@ -136,6 +140,7 @@ class Sensitivity:
                 engine.layer(il, states)
             snaps.append(states.snapshot())
             self._base = Baseline(snaps, self._log_probs(engine, states))
+            self.baseline_seconds = time.perf_counter() - start
         return self._base
 
     def _engine(self, source) -> Engine:
@@ -348,8 +353,11 @@ class KldCosts:
     def __call__(self, units, types, errors) -> list[dict[QT, float]]:
         sampled = sampled_layers(units, self.per_kind)
         n, passes = layer_passes(units, types, self.per_kind, self.sens.cfg.n_layer)
+        self.sens.baseline()
+        per_pass = self.sens.baseline_seconds / max(self.sens.cfg.n_layer, 1)
         self.note(f"sensitivity: {n} of {len(units)} decisions measured (layers {sorted(sampled)}): "
-                  f"{passes:,} layer passes over {self.sens.ids.size:,} tokens, less what the cache holds")
+                  f"{passes:,} layer passes over {self.sens.ids.size:,} tokens, less what the cache holds; about "
+                  f"{_hours(passes * per_pass)} at this run's {per_pass:.2f} s a pass")
         measured = [i for i, u in enumerate(units) if _layer(u) is None or _layer(u) in sampled]
         out: list = [None] * len(units)
         by_layer: dict[int | None, list[int]] = {}
@@ -379,6 +387,10 @@ class KldCosts:
         return (f"measured KL divergence of the output (nats per token) with the decision alone quantized, on "
                 f"{s.ids.shape[0]} chunks of {s.ctx} tokens of {self.text} (the scored half of each chunk)"
                 + sampled)
+
+
+def _hours(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 3600 else f"{seconds / 3600:.1f} h"
 
 
 def _layer(u) -> int | None:
