@@ -60,7 +60,7 @@ class PlannedTensor:
     qtype: QT
     shape: tuple[int, ...]
     sources: list[tuple[SourceTensor, ...]]   # one tuple per expert for EXPERTS, else one tuple
-    threads: int = 1                          # repack threads (_repacked_experts): Plan.threads
+    threads: int = 1                          # repack threads (transforms.Experts): Plan.threads
 
     @property
     def nbytes(self) -> int:
