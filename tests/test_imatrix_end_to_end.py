@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
+from in_process import run_command
 from kimi_convert.fixtures.make_checkpoint import make_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,13 +21,9 @@ WIDE = dict(n_layers=8, hidden=256, moe_intermediate_size=256, routed_expert_hid
             num_experts=8, num_experts_per_token=2, num_shared_experts=1, seed=3)
 
 
-MAINS = {"imatrix": "main", "convert": "convert_main", "verify": "main"}
-
-
 def command(module: str, *args) -> subprocess.CompletedProcess:
-    code = f"from kimi_convert.cli.{module} import {MAINS[module]} as m; m()"
-    p = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, env=ENV,
-                       timeout=600)
+    """kimi-imatrix, kimi-convert or kimi-verify, in this process (in_process.run_command), with its own cache."""
+    p = run_command(f"kimi-{module}", args, {"XDG_CACHE_HOME": ENV["XDG_CACHE_HOME"]})
     assert p.returncode == 0, p.stderr[-3000:]
     return p
 

@@ -21,16 +21,14 @@ from kimi_convert.quant.target.budget import BudgetError, parse_budget
 from kimi_convert.quant.target.choose import choose, feasible_decisions, no_base
 from kimi_convert.quant.target.solver import Point, lower_hull, solve
 from kimi_convert.quant.target.units import ROUTED_EXPERTS
+from in_process import run_command
 from test_convert_errors import CLI_ENV
 
 
 def quantize(*args, xdg: Path | None = None) -> subprocess.CompletedProcess:
-    """kimi-quantize in a subprocess; `xdg`: its $XDG_CACHE_HOME (the measurement cache's root), else a folder
-    of its own that no other test shares (never the user's ~/.cache)."""
-    code = "from kimi_convert.cli.quantize import main\nmain()\n"
-    env = dict(CLI_ENV, XDG_CACHE_HOME=str(xdg or _private_cache()))
-    return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,
-                          env=env, timeout=300)
+    """kimi-quantize, in this process (in_process.run_command); `xdg`: its $XDG_CACHE_HOME (the measurement
+    cache's root), else a folder of its own that no other test shares (never the user's ~/.cache)."""
+    return run_command("kimi-quantize", args, {"XDG_CACHE_HOME": str(xdg or _private_cache())})
 
 
 def _private_cache() -> Path:
