@@ -168,7 +168,8 @@ A_LOG = TRANSFORMS["a_log"]
 
 
 class _KvBHalf(Transform):
-    """One half of kv_b_proj, whose rows per head are [k_nope (d_n); v (d_v)]."""
+    """One half of kv_b_proj, whose rows per head are [k_nope (d_n); v (d_v)]: each subclass's half(kv_b, cfg)
+    cuts its part out (any dtype), as the GGUF tensor lays it out."""
 
     def work_bytes(self, p) -> int:
         # all of kv_b read, the half made contiguous (in the source's dtype), its two widening temporaries if it
@@ -185,10 +186,6 @@ class _KvBHalf(Transform):
 
     def pieces(self, p, ckpt, cfg):
         yield np.ascontiguousarray(self.half(ckpt.read_f32(p.sources[0][0]), cfg)).reshape(-1), slice(None)
-
-    def half(self, kv_b: np.ndarray, cfg: KimiConfig) -> np.ndarray:
-        """This half of kv_b (any dtype), as the GGUF tensor lays it out."""
-        raise NotImplementedError
 
     def row(self, p, ckpt, row):
         return None
