@@ -498,6 +498,17 @@ def stdlib_text(path: Path) -> Path:
     return path
 
 
+def dry_run_json(module: str, args: list, tmp_path: Path) -> dict:
+    """The --json plan of a streamed command's --dry-run at 200 chunks of 512 tokens and 12 GB of states in RAM,
+    run as its own process (a real-size plan's memory stays out of the test's)."""
+    report = tmp_path / "plan.json"
+    p = subprocess.run([sys.executable, "-c", f"from {module} import main; main()", *map(str, args), "--ctx", "512",
+                        "--chunks", "200", "--dry-run", "--json", str(report), "--state-ram", "12G"],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    return json.loads(report.read_text())
+
+
 def text_model_bytes(ckpt) -> int:
     """The checkpoint's bytes without the vision tower and projector (what the streamed engine may read)."""
     return sum(t.nbytes for t in ckpt.tensors.values() if not t.name.startswith(("vision_tower.", "mm_projector.")))
@@ -508,13 +519,7 @@ def test_imatrix_dry_run_on_the_real_k3_at_100k_tokens(real_k3, tmp_path):
     but `output`, which only --process-output multiplies), holds 9 state vectors a token (the stream and 8 AttnRes
     banks) with those beyond the RAM budget spilled, and plans a peak under 64 GB. Nothing is written but --json."""
     text = stdlib_text(tmp_path / "calib.txt")
-    report = tmp_path / "plan.json"
-    code = "from kimi_convert.cli.imatrix import main; main()"
-    p = subprocess.run([sys.executable, "-c", code, str(real_k3.path), "-f", str(text), "-o", str(tmp_path / "k3.im"),
-                        "--ctx", "512", "--chunks", "200", "--dry-run", "--json", str(report), "--state-ram", "12G"],
-                       capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr
-    plan = json.loads(report.read_text())
+    plan = dry_run_json("kimi_convert.cli.imatrix", [real_k3.path, "-f", text, "-o", tmp_path / "k3.im"], tmp_path)
     ckpt = Checkpoint(real_k3.path)
     text_bytes = text_model_bytes(ckpt)
     head = sum(t.nbytes for t in ckpt.tensors.values() if t.name.endswith("lm_head.weight"))
@@ -533,13 +538,7 @@ def test_kld_dry_run_on_the_real_k3_at_100k_tokens(real_k3, tmp_path):
     Nothing is written but --json."""
     from kimi_convert.kld.basefile import BaseHeader
     text = stdlib_text(tmp_path / "eval.txt")
-    report = tmp_path / "plan.json"
-    code = "from kimi_convert.cli.verify import main; main()"
-    p = subprocess.run([sys.executable, "-c", code, "kld", str(real_k3.path), str(real_k3.path), "-f", str(text),
-                        "--ctx", "512", "--chunks", "200", "--dry-run", "--json", str(report), "--state-ram", "12G"],
-                       capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr
-    plan = json.loads(report.read_text())
+    plan = dry_run_json("kimi_convert.cli.verify", ["kld", real_k3.path, real_k3.path, "-f", text], tmp_path)
     ckpt = Checkpoint(real_k3.path)
     text_bytes = text_model_bytes(ckpt)
     assert plan["bytes_read"] == 2 * text_bytes

@@ -122,8 +122,15 @@ class Conv1d(Transform):
 CONV1D = TRANSFORMS["conv1d"]
 
 
-class _Computed(Transform):
-    """A small tensor computed whole from its sources (a few KB to a few MB)."""
+class _MadeWhole(Transform):
+    """A small tensor (a few KB to a few MB) made whole: no row of it is read alone."""
+
+    def row(self, p, ckpt, row):
+        return None
+
+
+class _Computed(_MadeWhole):
+    """Values computed from the sources, F32."""
     moves_values = False
 
     def work_bytes(self, p) -> int:
@@ -131,9 +138,6 @@ class _Computed(Transform):
 
     def produce(self, p, ckpt, cfg):
         yield next(iter(self.pieces(p, ckpt, cfg)))[0].astype(np.float32)
-
-    def row(self, p, ckpt, row):
-        return None
 
 
 @register
@@ -167,7 +171,7 @@ class ALog(_Computed):
 A_LOG = TRANSFORMS["a_log"]
 
 
-class _KvBHalf(Transform):
+class _KvBHalf(_MadeWhole):
     """One half of kv_b_proj, whose rows per head are [k_nope (d_n); v (d_v)]: each subclass's half(kv_b, cfg)
     cuts its part out (any dtype), as the GGUF tensor lays it out."""
 
@@ -186,9 +190,6 @@ class _KvBHalf(Transform):
 
     def pieces(self, p, ckpt, cfg):
         yield np.ascontiguousarray(self.half(ckpt.read_f32(p.sources[0][0]), cfg)).reshape(-1), slice(None)
-
-    def row(self, p, ckpt, row):
-        return None
 
 
 @register
