@@ -22,7 +22,7 @@ from kimi_convert.gguf_io import open_gguf
 from kimi_convert.model import KimiConfig
 from kimi_convert.quant.driver import plan_file
 from kimi_convert.quant.target.choose import no_base
-from kimi_convert.quant.target.sensitivity import sampled_layers
+from kimi_convert.quant.target.sensitivity import layer_passes, sampled_layers
 from kimi_convert.quant.target.units import split_decisions
 from kimi_convert.sizes import parse_size
 
@@ -60,7 +60,7 @@ def main() -> None:
                 variants[il] += a.hull
             read = sum(math.ceil(v / fit) * sum(layer_bytes[j] for j in range(il, cfg.n_layer))
                        for il, v in variants.items())
-            passes = cfg.n_layer + sum(v * (cfg.n_layer - il) for il, v in variants.items())
+            _, passes = layer_passes(units, [[None] * a.hull for _ in units], per_kind, cfg.n_layer)
             print(f"RAM {ram / 1e9:4.0f} GB ({fit} variants at once), --sensitivity-layers {per_kind}: "
                   f"{len(sampled)} layers, {sum(variants.values()):,} variants, {read / 1e12:6.1f} TB read, "
                   f"{passes:,} layer passes over the tokens")

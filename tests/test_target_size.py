@@ -354,6 +354,22 @@ def test_emit_policy_never_over_an_input_or_the_output_even_with_force(src, imat
     assert src.read_bytes() == before and not out.exists()
 
 
+@pytest.mark.parametrize("target", ["shard", "output"])
+def test_convert_emit_policy_never_over_an_input_or_the_output_even_with_force(k3_dir, imatrix, tmp_path, target):
+    """kimi-convert --target-size --emit-policy (its job, convert/job.py) checks the emitted policy as it checks
+    OUT: over a shard or over OUT it is refused with --force too, in one line, and nothing is written."""
+    out = tmp_path / "o.gguf"
+    shard = sorted(k3_dir.glob("*.safetensors"))[0]
+    before = shard.read_bytes()
+    emit = shard if target == "shard" else out
+    r = run_command("kimi-convert", [k3_dir, out, "--target-size", "2M", "--imatrix", imatrix,
+                                     "--emit-policy", emit, "--force"], {"XDG_CACHE_HOME": str(_private_cache())})
+    assert r.returncode == 1, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in r.stderr and str(emit) in errors[0], r.stderr
+    assert shard.read_bytes() == before and not out.exists() and sorted(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("arch, mxfp4", [("k3", True), ("k31", True), ("k3", False)])
 def test_one_pass_samples_rows_from_the_checkpoint_not_its_streams(tmp_path, arch, mxfp4):
     """kimi-convert --target-size reads a sampled row of a copied, cast or expert tensor (MXFP4 repacked, or BF16)

@@ -10,15 +10,11 @@ from typing import TYPE_CHECKING, Callable
 
 from ..gguf_io import output_lock, written_paths
 from ..paths import Report, refuse_overlap
-from ..quant.options import PolicyOptions
+from ..quant.options import PolicyOptions, quiet
 from .converter import ConvertResult, Plan, Preflight, build_plan, convert, plan_policy, preflight, run_inputs
 
 if TYPE_CHECKING:
     from ..quant.onepass import OnePass
-
-
-def _quiet(_: object) -> None:
-    return None
 
 
 @dataclass(frozen=True)
@@ -40,8 +36,8 @@ class ConvertJob:
     choosing the types first); dry_run() checks what the run would; write() streams the output. `note` gets
     the lines a user should see, `reading(path)` each input as the job starts on it."""
 
-    def __init__(self, opts: ConvertOptions, note: Callable[[str], None] = _quiet,
-                 reading: Callable[[object], None] = _quiet):
+    def __init__(self, opts: ConvertOptions, note: Callable[[str], None] = quiet,
+                 reading: Callable[[object], None] = quiet):
         self.opts, self.note, self.reading = opts, note, reading
         self.one: "OnePass | None" = None
         self.choice = None
@@ -89,7 +85,7 @@ class ConvertJob:
     def total_bytes(self) -> int:
         return self.plan.total_bytes if self.one is None else sum(self.one.sizes)
 
-    def write(self, on_bytes: Callable[[int], None] = _quiet) -> ConvertResult:
+    def write(self, on_bytes: Callable[[int], None] = quiet) -> ConvertResult:
         o = self.opts
         result = convert(self.plan, o.out, split_max_tensors=o.split_max_tensors, split_max_size=o.split_max_size,
                          force=o.force, on_bytes=on_bytes, log=self.note, quant=self.one, resume=o.resume)

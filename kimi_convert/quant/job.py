@@ -14,14 +14,10 @@ from ..errors import KimiError
 from ..gguf_io import open_gguf, output_lock, written_paths
 from ..paths import Input, Report, refuse_overlap, report_output
 from .driver import QuantizeResult, plan_file, run_inputs, write_plan
-from .options import PolicyOptions
+from .options import PolicyOptions, quiet
 from .plan import QuantPlan
 
 SENSITIVITY_CTX = 128          # --sensitivity kld's chunks: the trained fixture's context, a few thousand tokens
-
-
-def _quiet(_: object) -> None:
-    return None
 
 
 @dataclass(frozen=True)
@@ -60,8 +56,8 @@ class QuantizeJob:
     tensor, write() streams the output. `note` gets the lines a user should see; `reading(path)` is told each
     file as the job starts on it (error messages name it)."""
 
-    def __init__(self, opts: QuantizeOptions, note: Callable[[str], None] = _quiet,
-                 reading: Callable[[object], None] = _quiet):
+    def __init__(self, opts: QuantizeOptions, note: Callable[[str], None] = quiet,
+                 reading: Callable[[object], None] = quiet):
         self.opts, self.note, self.reading = opts, note, reading
         self.choice = None
         self.report: Report | None = None
@@ -128,7 +124,7 @@ class QuantizeJob:
         for report, text in self.reports():
             report.deliver(text)
 
-    def write(self, on_bytes: Callable[[int], None] = _quiet) -> QuantizeResult:
+    def write(self, on_bytes: Callable[[int], None] = quiet) -> QuantizeResult:
         o = self.opts
         return write_plan(self.gf, self.plan, o.out, self.policy, imatrix=self.imatrix, force=o.force,
                           split_max_size=o.split_max_size, keep_split=o.keep_split, threads=o.threads,

@@ -14,7 +14,8 @@ if TYPE_CHECKING:
     from .target.choose import TargetOptions
 
 
-def _quiet(_: object) -> None:
+def quiet(_: object) -> None:
+    """A job's `note` or `reading` when nobody listens."""
     return None
 
 
@@ -45,8 +46,8 @@ class PolicyOptions:
         if given:
             raise KimiError(f"{given[0]} applies to quantization: give --policy POLICY too")
 
-    def load(self, *, plan_only: bool, note: Callable[[str], None] = _quiet,
-             reading: Callable[[object], None] = _quiet) -> "tuple[Policy, Imatrix | None]":
+    def load(self, *, plan_only: bool, note: Callable[[str], None] = quiet,
+             reading: Callable[[object], None] = quiet) -> "tuple[Policy, Imatrix | None]":
         """(policy, imatrix or None), with the policy's requirements checked (`plan_only`: a --dry-run or
         --explain, which only notes what a write would refuse). `reading(path)` is told each file as it is read."""
         from .imatrix import load_imatrix
