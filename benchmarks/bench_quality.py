@@ -39,6 +39,7 @@ SENSITIVITY = True              # --no-sensitivity: only the weight-error budget
 # the sampled variant: the decisions of one layer of each kind measured (here layers 0, 1 and 2 of the 4; layer
 # 3's costed by its weight errors times what layer 1 measured of the same roles)
 SAMPLED, SAMPLED_LAYERS = "--target-size --sensitivity kld --sensitivity-layers", 1
+WEIGHTS = "--target-size --sensitivity weights"     # the raw weight errors, without the role prior (prior.py)
 MIXTURES = ["Q4_K_M", "Q3_K_M", "Q2_K", "IQ2_M", "IQ2_XXS", "IQ1_M", "IQ1_S", "MXFP4_MOE"]
 EXPERT_TYPES = ["Q4_K", "IQ4_XS", "Q3_K", "IQ3_S", "IQ3_XXS", "Q2_K", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S"]
 
@@ -102,9 +103,10 @@ def presets() -> list[str]:
     return preset_names()
 
 
-def build(arch: str, chunks: int, n_budgets: int, work: Path, log, prior: dict | None = None
-          ) -> tuple[list[Row], dict]:
-    """`prior`: rows of an earlier run's JSON (same fixture, text and chunks: the same base), taken as they are."""
+def build(arch: str, chunks: int, n_budgets: int, work: Path, log, prior: dict | None = None,
+          prior_correlation: dict | None = None) -> tuple[list[Row], dict]:
+    """`prior`: rows of an earlier run's JSON (same fixture, text and chunks: the same base), taken as they are;
+    `prior_correlation`: its measured pairs, likewise."""
     prior = prior or {}
     from kimi_convert.fixtures import trained
     hf, gguf, imatrix, base = work / "hf", work / "model.gguf", work / "imatrix.gguf", work / "base.kld"
@@ -135,11 +137,12 @@ def build(arch: str, chunks: int, n_budgets: int, work: Path, log, prior: dict |
     top = min(max(r.nbytes for r in rows if r.family == "preset"), ceiling)     # the largest preset, if it can
     sens = ["--sensitivity", "kld", "--sensitivity-text", work / "train.txt", "--sensitivity-chunks",
             SENSITIVITY_CHUNKS]
-    families = [("--target-size", [], ""), ("--target-size --sensitivity kld", sens, "kld-"),
+    families = [("--target-size", [], ""), (WEIGHTS, ["--sensitivity", "weights"], "w-"),
+                ("--target-size --sensitivity kld", sens, "kld-"),
                 (f"{SAMPLED} {SAMPLED_LAYERS}", [*sens, "--sensitivity-layers", SAMPLED_LAYERS], "kld1-")]
     for b in np.linspace(floor, top, n_budgets):
         budget = int(b)
-        for family, extra, tag in families[:3 if SENSITIVITY else 1]:
+        for family, extra, tag in families[:4 if SENSITIVITY else 2]:
             if f"{family} {budget:,}" in prior:
                 rows.append(prior[f"{family} {budget:,}"])
                 continue
@@ -147,7 +150,8 @@ def build(arch: str, chunks: int, n_budgets: int, work: Path, log, prior: dict |
             rows.append(measure(Row(f"{family} {budget:,}", family, out.stat().st_size), base, out))
             log(f"{rows[-1].name:60s} {rows[-1].nbytes:>12,} B  KLD {rows[-1].kld:.5f} ± {rows[-1].kld_2se:.5f}")
     return rows, {"floor": floor, "ceiling": ceiling, "top_budget": top,
-                  "correlation": correlation(gguf, imatrix, work, log) if SENSITIVITY else None}
+                  "correlation": (prior_correlation or correlation(gguf, imatrix, work, log)) if SENSITIVITY
+                  else None}
 
 
 def correlation(gguf: Path, imatrix: Path, work: Path, log) -> dict:
@@ -218,13 +222,17 @@ def checks(rows: list[Row]) -> list[str]:
             d, se = paired(b, a)
             out.append(f"{b.name} vs the smaller {a.name}: KLD {d:+.5f} ± {se:.5f}: "
                        + ("falls" if d < -se else "within noise" if d <= se else "RISES"))
-    weights = sorted((r for r in rows if r.family == "--target-size"), key=lambda r: r.nbytes)
-    measured = sorted((r for r in rows if r.family == "--target-size --sensitivity kld"), key=lambda r: r.nbytes)
+    by_family = {f: sorted((r for r in rows if r.family == f), key=lambda r: r.nbytes)
+                 for f in ("--target-size", WEIGHTS, "--target-size --sensitivity kld")}
+    prior, weights, measured = by_family.values()
     sampled = sorted((r for r in rows if r.family == f"{SAMPLED} {SAMPLED_LAYERS}"), key=lambda r: r.nbytes)
-    for w, k in zip(weights, measured):
-        d, se = paired(k, w)
-        out.append(f"at {w.name.split()[-1]}: --sensitivity kld against the weight errors: KLD {d:+.5f} ± {se:.5f}: "
-                   + ("better" if d < -se else "within noise" if d <= se else "WORSE"))
+    for label, better, worse in (("the role prior", prior, weights), ("--sensitivity kld", measured, weights),
+                                 ("--sensitivity kld", measured, prior)):
+        what = "the raw weight errors" if worse is weights else "the role prior"
+        for w, k in zip(worse, better):
+            d, se = paired(k, w)
+            out.append(f"at {w.name.split()[-1]}: {label} against {what}: KLD {d:+.5f} ± {se:.5f}: "
+                       + ("better" if d < -se else "within noise" if d <= se else "WORSE"))
     for k, s1 in zip(measured, sampled):
         d, se = paired(s1, k)
         out.append(f"at {k.name.split()[-1]}: --sensitivity-layers {SAMPLED_LAYERS} against every layer measured: "
@@ -256,7 +264,8 @@ def plot(rows: list[Row], path: Path, arch: str) -> None:
 
 def _legend(family: str) -> str:
     """The family as the legend's column fits it (about 24 characters)."""
-    short = {"--target-size": "TARGET, WEIGHT ERRORS", "--target-size --sensitivity kld": "TARGET, KLD ALL LAYERS",
+    short = {"--target-size": "TARGET, ROLE PRIOR", WEIGHTS: "TARGET, WEIGHT ERRORS",
+             "--target-size --sensitivity kld": "TARGET, KLD ALL LAYERS",
              f"{SAMPLED} {SAMPLED_LAYERS}": f"TARGET, KLD {SAMPLED_LAYERS} LAYER/KIND"}
     return short.get(family, family.upper())
 
@@ -284,10 +293,12 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-quality-") as tmp:
         tmp = args.work or Path(tmp)
         tmp.mkdir(parents=True, exist_ok=True)
-        prior = {}
+        prior, earlier = {}, {}
         if args.rows_from:
-            prior = {r["name"]: Row(**r) for r in json.loads(args.rows_from.read_text())["rows"]}
-        rows, meta = build(args.arch, args.chunks, args.budgets, tmp, lambda s: print(s, flush=True), prior)
+            earlier = json.loads(args.rows_from.read_text())
+            prior = {r["name"]: Row(**r) for r in earlier["rows"]}
+        rows, meta = build(args.arch, args.chunks, args.budgets, tmp, lambda s: print(s, flush=True), prior,
+                           (earlier.get("meta") or {}).get("correlation"))
         from kimi_convert.engine.weights import open_source
         src = open_source(Path(tmp) / "model.gguf")
         meta["n_weights"] = sum(int(np.prod(src.shape(n))) for n in src.names())

@@ -76,7 +76,8 @@ def test_costs_are_cached_by_model_tokens_and_type(model, tmp_path):
 
 class Stated:
     """Costs stated, not measured: one decision loses nothing at its smallest type, every other one loses
-    in proportion to the bits it gives up."""
+    in proportion to the bits it gives up; asked of the weight errors' hull types only, as KldCosts."""
+    hull_only = True
 
     def __init__(self, free: str):
         self.free, self.asked = free, []

@@ -258,6 +258,8 @@ def test_fresh_dry_run_leaves_the_output_folder_as_it_was(src, imatrix, tmp_path
     (dict(target_size="2M", gpu_budget="0"), "--gpu-budget '0': must be more than 0"),
     (dict(gpu_budget="80G"), "--gpu-budget splits a --target-size or --target-bpw budget"),
     (dict(emit_policy=Path("c.toml")), "--emit-policy writes the types a budget chose"),
+    (dict(target_size="2M", sensitivity="kl"), "--sensitivity 'kl': must be one of prior, weights, kld"),
+    (dict(sensitivity="weights"), "--sensitivity weights chooses types for a budget"),
 ])
 def test_bad_values_one_line_each(options, needle):
     from kimi_convert.cli.policy_options import target_options
@@ -370,6 +372,16 @@ def test_convert_emit_policy_never_over_an_input_or_the_output_even_with_force(k
     assert shard.read_bytes() == before and not out.exists() and sorted(tmp_path.iterdir()) == []
 
 
+def test_convert_takes_the_weight_measures_and_refuses_kld_in_one_line(k3_dir, imatrix, tmp_path):
+    """kimi-convert's one pass has --sensitivity prior|weights; kld measures a GGUF (kimi-quantize's)."""
+    out = tmp_path / "o.gguf"
+    r = run_command("kimi-convert", [k3_dir, out, "--target-size", "2M", "--imatrix", imatrix, "--sensitivity",
+                                     "kld"], {"XDG_CACHE_HOME": str(_private_cache())})
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode == 1 and len(errors) == 1 and "kimi-quantize --target-size --sensitivity kld" in errors[0]
+    assert sorted(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("arch, mxfp4", [("k3", True), ("k31", True), ("k3", False)])
 def test_one_pass_samples_rows_from_the_checkpoint_not_its_streams(tmp_path, arch, mxfp4):
     """kimi-convert --target-size reads a sampled row of a copied, cast or expert tensor (MXFP4 repacked, or BF16)
@@ -468,6 +480,32 @@ def real_config(arch: str):
     from kimi_convert.fixtures.real_size import REAL_VISION, real_spec
     from kimi_convert.model import KimiConfig
     return KimiConfig.from_hf(build_config(real_spec(arch), REAL_VISION))
+
+
+def test_default_measure_is_the_role_prior_and_weights_turns_it_off(src, imatrix, tmp_path, solve_at, bounds):
+    """The default cost is the weight error times the role's shipped KLD / weight error (quant/target/prior.py),
+    in the library and the command alike; `--sensitivity weights` is the raw weight error. The prior prices a
+    unit of a routed expert's error below one of the always-active tensors', so its choice gives those tensors
+    no fewer bytes than the raw one."""
+    from kimi_convert.quant.target.prior import WeightErrors, shipped_prior
+    floor, ceiling, _ = bounds
+    budget = str((2 * floor + ceiling) // 3)
+    prior, raw = solve_at(budget, sensitivity=shipped_prior()), solve_at(budget, sensitivity=WeightErrors())
+    assert solve_at(budget).text == prior.text
+    assert "times its role's KLD / weight error measured on the trained K3 fixture" in prior.text
+    assert "times its role" not in raw.text
+    gf = open_gguf(src)
+
+    def dense(choice) -> int:
+        return sum(d.target_bytes for d in plan_file(gf, choice.policy, allow_requantize=True, imatrix=True).decisions
+                   if not ROUTED_EXPERTS.match(d.name))
+    assert dense(prior) > dense(raw), (dense(prior), dense(raw))
+    for measure, costs in (("weights", WeightErrors()), ("prior", shipped_prior())):
+        chosen = tmp_path / f"{measure}.toml"
+        r = quantize(src, tmp_path / "o.gguf", "--target-size", budget, "--imatrix", imatrix, "--allow-requantize",
+                     "--dry-run", "--emit-policy", chosen, "--sensitivity", measure)
+        assert r.returncode == 0, r.stderr
+        assert chosen.read_text() == solve_at(budget, sensitivity=costs, source=str(chosen)).text, measure
 
 
 def test_experts_weigh_by_their_share_of_the_tokens(src, imatrix, tmp_path):

@@ -13,8 +13,8 @@ from ..errors import Interrupted, KimiError
 from .common import (check_count, check_threads, console, debug_option, fail, human, interrupted, interrupts_raise,
                      note, output, parse_size, progress_bar, reading, run_app, threads_option, typer_app)
 from .policy_options import (allow_requantize_option, emit_policy_option, gpu_budget_option, imatrix_option,
-                             resume_option, strict_option, target_bpw_option, target_size_option,
-                             tensor_type_file_option, tensor_type_option)
+                             resume_option, sensitivity_option, strict_option, target_bpw_option,
+                             target_size_option, tensor_type_file_option, tensor_type_option)
 
 
 convert_app = typer_app(help=__doc__)
@@ -47,6 +47,7 @@ def convert(
     target_bpw: Optional[str] = target_bpw_option(),
     gpu_budget: Optional[str] = gpu_budget_option(),
     emit_policy: Optional[Path] = emit_policy_option(),
+    sensitivity: str = sensitivity_option(kld=False),
     threads: int = threads_option("threads that repack the experts, quantize and hash"),
     _debug: bool = debug_option(),
 ):
@@ -66,7 +67,7 @@ def convert(
         with interrupts_raise(), ExitStack() as held:
             opts = _options(hf_dir, out, outtype, split_max_size, split_max_tensors, dry_run, force, resume, policy,
                             imatrix, tensor_type, tensor_type_file, allow_requantize, strict, target_size,
-                            target_bpw, gpu_budget, emit_policy, threads)
+                            target_bpw, gpu_budget, emit_policy, sensitivity, threads)
             job = ConvertJob(opts, note=note, reading=reading).open(held)
             one = job.quantize()
             if one is not None:
@@ -86,7 +87,7 @@ def convert(
 
 def _options(hf_dir, out, outtype, split_max_size, split_max_tensors, dry_run, force, resume, policy, imatrix,
              tensor_type, tensor_type_file, allow_requantize, strict, target_size, target_bpw, gpu_budget,
-             emit_policy, threads):
+             emit_policy, sensitivity, threads):
     """The command line as one ConvertOptions, every value checked (one line each) before anything is read."""
     from ..convert.job import ConvertOptions
     from ..gguf_io import check_split_max_size
@@ -98,7 +99,10 @@ def _options(hf_dir, out, outtype, split_max_size, split_max_tensors, dry_run, f
         check_split_max_size(max_size, split_max_size)
     check_count(split_max_tensors, "--split-max-tensors", 0)
     check_threads(threads)
-    target = target_options(target_size, target_bpw, gpu_budget, emit_policy, imatrix, policy)
+    if sensitivity == "kld":
+        raise KimiError("--sensitivity kld runs the converted model: convert, then kimi-quantize --target-size "
+                        "--sensitivity kld")
+    target = target_options(target_size, target_bpw, gpu_budget, emit_policy, imatrix, policy, sensitivity)
     quant = PolicyOptions(policy, imatrix, tuple(tensor_type), tuple(tensor_type_file), allow_requantize, strict,
                           target)
     return ConvertOptions(hf_dir, out, quant, outtype, max_size, split_max_tensors, threads, force, resume, dry_run)

@@ -67,12 +67,24 @@ def resume_option():
                         "plan into OUT (each checked against its manifest journal); write the rest")
 
 
+def sensitivity_option(kld: bool = True):
+    """--sensitivity: what a budget spends its bytes by (quant/target/prior.py, sensitivity.py)."""
+    return typer.Option("prior", "--sensitivity", metavar="prior|weights" + ("|kld" if kld else ""),
+                        help="with a budget: a decision's cost per type: its imatrix-weighted weight error times its "
+                        "role's KLD / weight error measured on the trained K3 fixture (prior, default), the weight "
+                        "error alone (weights)" + (", or the output's KL divergence measured end to end with the "
+                        "decision alone quantized (kld: needs --sensitivity-text; torch)" if kld else ""))
+
+
 def target_options(target_size: Optional[str], target_bpw: Optional[str], gpu_budget: Optional[str],
-                   emit_policy: Optional[Path], imatrix: Optional[Path], policy: Optional[str]):
+                   emit_policy: Optional[Path], imatrix: Optional[Path], policy: Optional[str],
+                   sensitivity: str = "prior"):
     """The budget options (quant.target.choose.TargetOptions), or None without one; every bad value refused in
     one line before anything is read."""
     from ..quant.target.budget import BudgetError, parse_budget
-    from ..quant.target.choose import TargetOptions, check_budget_options
+    from ..quant.target.choose import MEASURES, TargetOptions, check_budget_options
+    if sensitivity not in MEASURES:
+        raise BudgetError(f"--sensitivity {sensitivity!r}: must be one of {', '.join(MEASURES)}")
     budget = parse_budget(target_size, target_bpw)
     gpu = None
     if gpu_budget is not None:
@@ -84,8 +96,11 @@ def target_options(target_size: Optional[str], target_bpw: Optional[str], gpu_bu
     if budget is None:
         if emit_policy is not None:
             raise BudgetError("--emit-policy writes the types a budget chose: give --target-size or --target-bpw")
+        if sensitivity != "prior":
+            raise BudgetError(f"--sensitivity {sensitivity} chooses types for a budget: give --target-size or "
+                              f"--target-bpw")
         return None
-    return TargetOptions(budget, gpu, emit_policy)
+    return TargetOptions(budget, gpu, emit_policy, sensitivity)
 
 
 def print_choice(choice, explain: bool) -> None:

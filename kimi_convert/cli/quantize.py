@@ -22,7 +22,7 @@ from ..errors import Interrupted, KimiError
 from .common import (check_count, check_threads, console, debug_option, fail, human, interrupted, interrupts_raise,
                      note, output, parse_size, progress_bar, reading, run_app, threads_option, typer_app)
 from .policy_options import (allow_requantize_option, emit_policy_option, gpu_budget_option, imatrix_option,
-                             resume_option, strict_option, target_bpw_option, target_size_option,
+                             resume_option, sensitivity_option, strict_option, target_bpw_option, target_size_option,
                              tensor_type_file_option, tensor_type_option)
 from .policy_options import print_choice, print_dry_run_table, report_decisions, report_write_blockers, target_options
 
@@ -71,10 +71,7 @@ def quantize(
     gpu_budget: Optional[str] = gpu_budget_option(),
     emit_policy: Optional[Path] = emit_policy_option(),
     imatrix: Optional[Path] = imatrix_option(),
-    sensitivity: str = typer.Option("weights", "--sensitivity", metavar="weights|kld",
-                                    help="with a budget: what a decision's cost per type is: the imatrix-weighted "
-                                    "weight error (default), or the output's KL divergence measured end to end "
-                                    "with the decision alone quantized (needs --sensitivity-text; torch)"),
+    sensitivity: str = sensitivity_option(),
     sensitivity_text: Optional[Path] = typer.Option(None, "--sensitivity-text", readable=False, metavar="TEXT",
                                                     help="the text --sensitivity kld runs (chunks of 128 tokens)"),
     sensitivity_chunks: int = typer.Option(16, "--sensitivity-chunks", metavar="N",
@@ -164,8 +161,8 @@ def _options(src, out, policy, imatrix, tensor_type, tensor_type_file, strict, a
         max_size = parse_size(split_max_size)
         check_split_max_size(max_size, split_max_size)
     check_threads(threads)
-    target = target_options(target_size, target_bpw, gpu_budget, emit_policy, imatrix, policy)
-    check_sensitivity(sensitivity, sensitivity_text, sensitivity_chunks, target)
+    target = target_options(target_size, target_bpw, gpu_budget, emit_policy, imatrix, policy, sensitivity)
+    check_sensitivity(sensitivity, sensitivity_text, sensitivity_chunks)
     check_count(sensitivity_layers, "--sensitivity-layers", 0, 1 << 16)
     quant = PolicyOptions(policy, imatrix, tuple(tensor_type), tuple(tensor_type_file), allow_requantize, strict,
                           target)
@@ -187,11 +184,8 @@ def print_plan_only(job, explain: bool, dry_run: bool) -> None:
     job.deliver_reports()
 
 
-def check_sensitivity(sensitivity: str, text: Optional[Path], chunks: int, target) -> None:
-    if sensitivity not in ("weights", "kld"):
-        raise KimiError(f"--sensitivity {sensitivity!r}: must be weights or kld")
-    if sensitivity == "kld" and target is None:
-        raise KimiError("--sensitivity kld chooses types for a budget: give --target-size or --target-bpw")
+def check_sensitivity(sensitivity: str, text: Optional[Path], chunks: int) -> None:
+    """--sensitivity's companions (its value and its need of a budget: target_options)."""
     if sensitivity == "kld" and text is None:
         raise KimiError("--sensitivity kld needs --sensitivity-text TEXT (the tokens it measures on)")
     if sensitivity != "kld" and text is not None:

@@ -112,4 +112,4 @@ class ConvertJob:
                               gpu_budget=q.target.gpu_budget,
                               threads=plan.threads, cache_dir=error_cache_dir(), inputs=self.inputs,
                               source=str(q.target.emit_policy or "the chosen policy"), note=self.note,
-                              expert_share=expert_share(plan.config))
+                              expert_share=expert_share(plan.config), sensitivity=q.target.prior())

@@ -94,7 +94,7 @@ class QuantizeJob:
                              gpu_budget=target.gpu_budget, threads=threads_or_all(self.opts.threads),
                              cache_dir=error_cache_dir(), inputs=self.inputs,
                              source=str(target.emit_policy or "the chosen policy"), note=self.note,
-                             sensitivity=self._sensitivity())
+                             sensitivity=self._sensitivity() or target.prior())
         self.policy = self.choice.policy
         return self.choice
 

@@ -16,11 +16,13 @@ from ..policy import Policy, parse_policy
 from .budget import Budget, BudgetError, check_feasible, decimal_size
 from .emit import Chosen, decided_why, policy_text
 from .measure import ErrorCache, RowReader, gguf_rows, token_shares, unit_errors
+from .prior import shipped_prior
 from .solver import Point, Solution, lower_hull, lp_bound_two, solve
 from .units import ROUTED_EXPERTS, Decisions, Unit, held, split_decisions
 
-# measured costs of the given types of each decision (given also each decision's weight error per type),
-# replacing the weight errors (sensitivity.KldCosts)
+# the costs the budget is spent by: (units, each one's types, each one's weight error per type) -> each one's cost
+# per type; with `hull_only` (only the weight errors' hull types are costed) and `describe()` (the header's
+# words, None for the weight error's own): prior.RolePrior (the default), prior.WeightErrors, sensitivity.KldCosts
 Costs = Callable[[tuple[Unit, ...], list, list], list]
 
 
@@ -69,8 +71,8 @@ def choose(gf: GGUFFile, base: Policy, budget: Budget, imat, *, allow_requantize
            sensitivity: "Costs | None" = None) -> Choice:
     """The chosen policy for GGUF file `gf` (kimi-quantize). `cache_dir`: the measurement cache's folder
     (measure.error_cache_dir(); None: measured errors are kept in memory only); `inputs`: the files the run
-    reads, which no cache file replaces; `sensitivity`: costs measured end to end (sensitivity.KldCosts)
-    instead of the weight errors."""
+    reads, which no cache file replaces; `sensitivity`: the Costs the budget is spent by (None: the role
+    prior, as the commands' default)."""
     decisions, budget_bytes = feasible_decisions(gf, base, budget, imat, allow_requantize=allow_requantize,
                                                  gpu_budget=gpu_budget)
     return choose_decided(decisions, budget_bytes, gguf_rows(gf), base, budget, imat,
@@ -108,12 +110,11 @@ def choose_decided(decisions: Decisions, budget_bytes: int, rows: RowReader, bas
     cache.save(note)
     note(f"error measures: {cache.hits} from the cache, {cache.misses} measured"
          + (f" ({cache_dir})" if cache_dir is not None else " (not cached)"))
-    measure = None
-    if sensitivity is not None:       # the weight errors' hull types, re-costed by the output's divergence
-        types = [[p.qtype for p in lower_hull(h)] for h in points]
-        costs = sensitivity(decisions.units, types, [{p.qtype: p.error for p in h} for h in points])
-        points = [[Point(t, u.nbytes(t), c[t]) for t in ts] for u, ts, c in zip(decisions.units, types, costs)]
-        measure = sensitivity.describe()
+    costs = sensitivity if sensitivity is not None else shipped_prior()
+    types = [[p.qtype for p in (lower_hull(h) if costs.hull_only else h)] for h in points]
+    cost = costs(decisions.units, types, [{p.qtype: p.error for p in h} for h in points])
+    points = [[Point(t, u.nbytes(t), c[t]) for t in ts] for u, ts, c in zip(decisions.units, types, cost)]
+    measure = costs.describe()
     solution = split_solve(decisions, points, budget_bytes, gpu_budget)
     return _choice(decisions, points, solution, budget, budget_bytes, source, base,
                    f"imatrix {imat.path}", expert_share, measure)
@@ -202,11 +203,20 @@ def check_budget_options(budget: Budget | None, imatrix, gpu_budget: int | None)
                           f"the low-bit types need it)")
 
 
+MEASURES = ("prior", "weights", "kld")      # --sensitivity: what a decision's cost per type is
+
+
 @dataclass(frozen=True)
 class TargetOptions:
     budget: Budget
     gpu_budget: int | None
     emit_policy: Path | None
+    measure: str = "prior"      # MEASURES; "kld" is costed by the run (quant.job's SensitivityOptions)
+
+    def prior(self):
+        """The Costs of the weight-error measures: the role prior's or the raw errors' (prior.py)."""
+        from .prior import WeightErrors, shipped_prior
+        return shipped_prior() if self.measure == "prior" else WeightErrors()
 
     def outputs(self) -> list:
         """The paths a budget run writes besides OUT: the emitted policy. (The measurement cache is the

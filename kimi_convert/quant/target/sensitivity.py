@@ -35,10 +35,10 @@ from ...engine.states import TokenStates
 from ...engine.weights import GGUFSource
 from ..blocks import dequantize, quantize
 from ..imatrix import expert_slice
+from .prior import LAYER, role
 from .units import Unit
 
 SENSITIVITY_VERSION = 1
-LAYER = __import__("re").compile(r"^blk\.(\d+)\.")
 
 
 def sensitivity_cache_dir() -> Path:
@@ -298,11 +298,6 @@ def sampled_layers(units, per_kind: int) -> set[int]:
     return picked
 
 
-def role(key: str) -> str:
-    """A decision's role: its key without the layer ("attn_q_b.weight", "ffn_gate_up_exps")."""
-    return LAYER.sub("", key)
-
-
 def layer_passes(units, types, per_kind: int, n_layer: int) -> tuple[int, int]:
     """(decisions measured, layer passes over the token set) of KldCosts with `per_kind`: a decision of layer L
     with k types runs layers L..n_layer-1 for k copies of the tokens (the embedding's from layer 0; the output
@@ -344,6 +339,8 @@ class KldCosts:
     """The costs `choose` spends the budget by (choose.Costs): per decision and candidate, the KL divergence,
     measured for the decisions of the sampled layers (sampled_layers; the embedding and the output head always)
     and, for the others, their weight error times the measured scale of their role (RoleScales)."""
+
+    hull_only = True            # only the weight errors' hull types are worth a measurement
 
     def __init__(self, sens: Sensitivity, text: Path, note: Callable[[str], None] = lambda s: None,
                  layers_per_kind: int = 0):
