@@ -194,6 +194,29 @@ def correlation(gguf: Path, imatrix: Path, work: Path, log) -> dict:
     return {"spearman": rho, "spearman_experts": rho_e, "pairs": pairs}
 
 
+def prior_correlation(corr: dict, log) -> dict:
+    """Spearman's rank correlation with the KLD of the weight error times its role's prior scale (prior.py):
+    with the scales of every pair (in sample: the shipped prior is made from these pairs) and with each layer's
+    scales taken from the other layers' pairs alone (leave one layer out: the case of an unmeasured layer)."""
+    from kimi_convert.quant.target.prior import LAYER, role, role_scales
+
+    def scaled(pair, pairs):
+        scales = role_scales(pairs)
+        mean = math.exp(sum(map(math.log, scales.values())) / len(scales))
+        return pair[2] * scales.get(role(pair[0]), mean)
+    pairs = corr["pairs"]
+    layer = lambda key: (m := LAYER.match(key)) and m[1]
+    k = np.array([p[3] for p in pairs])
+    inside = np.array([scaled(p, pairs) for p in pairs])
+    apart = np.array([scaled(p, [q for q in pairs if layer(q[0]) != layer(p[0]) or layer(p[0]) is None])
+                      for p in pairs])
+    rank = lambda x: np.argsort(np.argsort(x)).astype(float)
+    rho_in, rho_out = (float(np.corrcoef(rank(x), rank(k))[0, 1]) for x in (inside, apart))
+    log(f"weight error times the role prior against KLD: Spearman {rho_in:.3f} in sample, {rho_out:.3f} with each "
+        f"layer's scales from the other layers")
+    return {"spearman_prior": rho_in, "spearman_prior_other_layers": rho_out}
+
+
 def target_range(gguf: Path, imatrix: Path) -> tuple[int, int]:
     """The smallest and the largest file --target-size makes (its refusal of a 1-byte budget says both)."""
     p = subprocess.run(["kimi-quantize", "--target-size", "1", "--imatrix", str(imatrix), "--allow-requantize",
@@ -299,6 +322,8 @@ def main() -> int:
             prior = {r["name"]: Row(**r) for r in earlier["rows"]}
         rows, meta = build(args.arch, args.chunks, args.budgets, tmp, lambda s: print(s, flush=True), prior,
                            (earlier.get("meta") or {}).get("correlation"))
+        if meta.get("correlation"):
+            meta["correlation"].update(prior_correlation(meta["correlation"], lambda s: print(s, flush=True)))
         from kimi_convert.engine.weights import open_source
         src = open_source(Path(tmp) / "model.gguf")
         meta["n_weights"] = sum(int(np.prod(src.shape(n))) for n in src.names())
