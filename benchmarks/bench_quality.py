@@ -162,13 +162,14 @@ def correlation(gguf: Path, imatrix: Path, work: Path, log) -> dict:
     from kimi_convert.gguf_io import open_gguf
     from kimi_convert.quant.driver import plan_file
     from kimi_convert.quant.imatrix import load_imatrix
+    from kimi_convert.quant.plan import PlanOptions
     from kimi_convert.quant.target.choose import expert_share, no_base
     from kimi_convert.quant.target.measure import ErrorCache, gguf_rows, token_shares, unit_errors
     from kimi_convert.quant.target.sensitivity import Sensitivity, sensitivity_cache_dir
     from kimi_convert.quant.target.units import split_decisions
     from kimi_convert.model import KimiConfig
     imat, gf = load_imatrix(imatrix), open_gguf(gguf)
-    plan = plan_file(gf, no_base(), allow_requantize=True, imatrix=True)
+    plan = plan_file(gf, no_base(), imatrix=True, options=PlanOptions(allow_requantize=True))
     units = split_decisions(plan, lambda d: imat.has_vector(d.name, d.shape)).units
     tok = model_tokenizer(gguf)
     ids = chunk_tokens(text_tokens(work / "train.txt", tok), CTX, SENSITIVITY_CHUNKS, None, work / "train.txt")

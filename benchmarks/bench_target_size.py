@@ -42,6 +42,7 @@ from kimi_convert.gguf_io import QUANT_SIZES, open_gguf  # noqa: E402
 from kimi_convert.quant.blocks import load_kernels, supported_types  # noqa: E402
 from kimi_convert.quant.driver import plan_file  # noqa: E402
 from kimi_convert.quant.imatrix import load_imatrix  # noqa: E402
+from kimi_convert.quant.plan import PlanOptions  # noqa: E402
 from kimi_convert.quant.policy import load_policy, parse_policy, preset_names  # noqa: E402
 from kimi_convert.quant.target.budget import parse_budget  # noqa: E402
 from kimi_convert.model import KimiConfig  # noqa: E402
@@ -132,7 +133,7 @@ def quality(tmp: Path, threads: int, sequences: int = 16, length: int = 32) -> N
     gf = open_gguf(src)
     imat_path = write_gguf_imatrix(tmp / "im.gguf", k3_entries({n: t.shape for n, t in gf.tensors.items()}))
     imat = load_imatrix(imat_path)
-    plan = plan_file(gf, no_base(), allow_requantize=True, imatrix=True)
+    plan = plan_file(gf, no_base(), imatrix=True, options=PlanOptions(allow_requantize=True))
     decisions = split_decisions(plan, lambda d: imat.has_vector(d.name, d.shape))
     shares = token_shares(imat, expert_share(KimiConfig.from_gguf(gf.fields, gf.paths[0])))   # as choose's
     # every free tensor measured alone for every type its rows fit (larger ones too: a preset may choose them),
@@ -151,7 +152,7 @@ def quality(tmp: Path, threads: int, sequences: int = 16, length: int = 32) -> N
     policies += [(f"preset {n}", load_policy(n)) for n in preset_names()]
     for label, pol in policies:
         try:
-            planned = plan_file(gf, pol, allow_requantize=True, imatrix=True)
+            planned = plan_file(gf, pol, imatrix=True, options=PlanOptions(allow_requantize=True))
         except Exception as e:      # a type with no fallback for some row length
             print(f"quality: {label}: cannot plan ({e})")
             continue
@@ -175,7 +176,7 @@ def quality(tmp: Path, threads: int, sequences: int = 16, length: int = 32) -> N
             print(f"quality:   {name:<16} {nbytes:>10,} B, error {error:.4g}  ({verdict}, "
                   f"{error / max(s.error, 1e-30):.2f}x the solver's error)")
         files = {"solver": _write(gf, src, imat, choose(gf, no_base(), parse_budget(str(budget), None), imat,
-                                                        allow_requantize=True, threads=threads).policy,
+                                                        PlanOptions(allow_requantize=True), threads=threads).policy,
                                   tmp / f"solver-{frac}.gguf")}
         for name, _, _, pol in sorted(fits, key=lambda u: u[2])[:2]:
             files[name] = _write(gf, src, imat, pol, tmp / f"{name.replace(' ', '-')}-{frac}.gguf")
@@ -184,7 +185,7 @@ def quality(tmp: Path, threads: int, sequences: int = 16, length: int = 32) -> N
 
 def _write(gf, src: Path, imat, policy, out: Path) -> Path:
     from kimi_convert.quant.driver import quantize_file
-    quantize_file(src, out, policy, imatrix=imat, allow_requantize=True)
+    quantize_file(src, out, policy, imatrix=imat, options=PlanOptions(allow_requantize=True))
     return out
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from kimi_convert.gguf_io import open_gguf
 from kimi_convert.model import KimiConfig
 from kimi_convert.quant.driver import plan_file
+from kimi_convert.quant.plan import PlanOptions
 from kimi_convert.quant.target.choose import no_base
 from kimi_convert.quant.target.sensitivity import layer_passes, sampled_layers
 from kimi_convert.quant.target.units import split_decisions
@@ -36,7 +37,7 @@ def main() -> None:
     a = ap.parse_args()
     gf = open_gguf(a.gguf)
     cfg = KimiConfig.from_gguf(gf.fields, gf.paths[0])
-    plan = plan_file(gf, no_base(), allow_requantize=True, imatrix=True)
+    plan = plan_file(gf, no_base(), imatrix=True, options=PlanOptions(allow_requantize=True))
     units = split_decisions(plan, lambda d: True).units
     layer_bytes = defaultdict(int)
     for name, t in gf.tensors.items():

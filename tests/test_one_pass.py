@@ -23,6 +23,7 @@ from kimi_convert.gguf_io import open_gguf
 from kimi_convert.quant import onepass
 from kimi_convert.quant.driver import quantize_file
 from kimi_convert.quant.imatrix import load_imatrix
+from kimi_convert.quant.plan import PlanOptions
 from kimi_convert.quant.policy import load_policy, tensor_type_rules
 from test_convert_errors import assert_fails_cleanly, run_cli
 from test_quantize_cli import AIMED_AT_PROTECTED, printed, protected_lines
@@ -121,12 +122,13 @@ def policy_of(spec: str, tmp_path: Path, tokens=()):
 
 def one_pass(m: Model, out: Path, pol, imatrix=None, outtype="bf16", allow_requantize=False, **kw):
     plan = build_plan(m.hf, outtype)
-    quant = plan_policy(plan, pol, imatrix=imatrix, allow_requantize=allow_requantize)
+    quant = plan_policy(plan, pol, PlanOptions(allow_requantize=allow_requantize), imatrix=imatrix)
     return convert(plan, out, quant=quant, **kw).paths
 
 
 def two_pass(m: Model, out: Path, pol, imatrix=None, allow_requantize=False, **kw):
-    return quantize_file(m.converted, out, pol, imatrix=imatrix, allow_requantize=allow_requantize, **kw).paths
+    return quantize_file(m.converted, out, pol, PlanOptions(allow_requantize=allow_requantize), imatrix=imatrix,
+                         **kw).paths
 
 
 def assert_identical(one: Path, two: Path) -> None:

@@ -17,7 +17,7 @@ from kimi_convert.gguf_io import open_gguf, tensor_nbytes
 from kimi_convert.model import KimiConfig
 from kimi_convert.quant.driver import quantize_file
 from kimi_convert.quant.mixtures import FILE_TYPES
-from kimi_convert.quant.plan import QuantPlan, plan_quantization
+from kimi_convert.quant.plan import PlanOptions, QuantPlan, plan_quantization
 from kimi_convert.quant.policy import PRESETS, PolicyError, load_policy, parse_policy, preset_names
 from kimi_convert.tensor_map import gguf_tensor_types
 from test_convert_errors import assert_fails_cleanly
@@ -40,8 +40,8 @@ def real_plan(preset: str, arch: str) -> QuantPlan:
     """The one planning path (quant.plan), with what the preset requires given; strict: no rule of a shipped
     preset may name a protected tensor."""
     pol = load_policy(preset)
-    return plan_quantization(real_tensors(arch), pol, allow_requantize="allow-requantize" in pol.requires,
-                             strict=True)
+    return plan_quantization(real_tensors(arch), pol,
+                             PlanOptions(allow_requantize="allow-requantize" in pol.requires, strict=True))
 
 
 @pytest.mark.parametrize("arch,outtype,mxfp4", [("k3", "bf16", True), ("k31", "f32", True), ("k3", "bf16", False)])
@@ -147,14 +147,14 @@ def test_iq_presets_spend_the_bits_where_they_matter(preset):
 @pytest.mark.parametrize("preset", IQ_PRESETS)
 def test_iq_presets_require_imatrix_and_allow_requantize(preset):
     assert load_policy(preset).requires == ("imatrix", "allow-requantize")
-    plan = plan_quantization(real_tensors("k3"), load_policy(preset), allow_requantize=False)
+    plan = plan_quantization(real_tensors("k3"), load_policy(preset), options=PlanOptions(allow_requantize=False))
     assert {c.protection.kind for c in plan.conflicts} == {"mxfp4"}
 
 
 def test_k3_q2_without_allow_requantize_would_copy_the_experts():
     """Why k3-q2 requires --allow-requantize: without it the expert rules meet the MXFP4 protection, and the plan
     quietly becomes k3-native's size (each named tensor reported as a conflict)."""
-    plan = plan_quantization(real_tensors("k3"), load_policy("k3-q2"), allow_requantize=False)
+    plan = plan_quantization(real_tensors("k3"), load_policy("k3-q2"), options=PlanOptions(allow_requantize=False))
     assert len(plan.conflicts) == 92 * 3 and {c.protection.kind for c in plan.conflicts} == {"mxfp4"}
     assert plan.target_bytes / GB > 1500
 
@@ -265,7 +265,7 @@ def test_k3_q2_without_what_it_requires_is_one_error(k31, out_dir):
 
 def test_k3_q2_library_call_checks_too(k31, out_dir):
     with pytest.raises(PolicyError, match="preset k3-q2 requires .* missing: --imatrix FILE"):
-        quantize_file(k31, out_dir / "q.gguf", load_policy("k3-q2"), allow_requantize=True)
+        quantize_file(k31, out_dir / "q.gguf", load_policy("k3-q2"), options=PlanOptions(allow_requantize=True))
     assert list(out_dir.iterdir()) == []
 
 

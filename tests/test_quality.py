@@ -18,6 +18,7 @@ from kimi_convert.imatrix.job import ImatrixOptions, ImatrixRun
 from kimi_convert.kld.job import KldOptions, KldRun
 from kimi_convert.quant.driver import quantize_file
 from kimi_convert.quant.imatrix import load_imatrix
+from kimi_convert.quant.plan import PlanOptions
 from kimi_convert.quant.policy import load_policy
 from kimi_convert.quant.target.budget import parse_budget
 from kimi_convert.quant.target.choose import choose, no_base
@@ -57,17 +58,17 @@ def test_target_size_beats_the_mixtures_and_presets_and_falls_with_the_budget(se
     mixtures = {}
     for name in MIXTURES:
         out = d / f"{name}.gguf"
-        quantize_file(gguf, out, load_policy(name), imatrix=imat, allow_requantize=True)
+        quantize_file(gguf, out, load_policy(name), imatrix=imat, options=PlanOptions(allow_requantize=True))
         mixtures[name] = (out.stat().st_size, chunk_kld(base, out))
     budgets = sorted(size for size, _ in mixtures.values())
     budgets.append(int(budgets[-1] * 1.3))
     targets = []
     gf = open_gguf(gguf)
     for b in budgets:
-        choice = choose(gf, no_base(), parse_budget(str(b), None), imat, allow_requantize=True,
-                        cache_dir=d / "errors")
+        choice = choose(gf, no_base(), parse_budget(str(b), None), imat,
+                        cache_dir=d / "errors", options=PlanOptions(allow_requantize=True))
         out = d / f"target-{b}.gguf"
-        quantize_file(gguf, out, choice.policy, imatrix=imat, allow_requantize=True)
+        quantize_file(gguf, out, choice.policy, imatrix=imat, options=PlanOptions(allow_requantize=True))
         assert out.stat().st_size <= b + 64 * 1024            # the budget is tensor data; the header is small
         targets.append((b, chunk_kld(base, out)))
     for name, (size, kld) in mixtures.items():

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from kimi_convert.quant.plan import QuantizeError, QuantPlan, StrictError, check_can_write, decide, plan_quantization
+from kimi_convert.quant.plan import (PlanOptions, QuantizeError, StrictError, check_can_write, decide,
+                                     plan_quantization)
 from kimi_convert.quant.policy import (PolicyError, load_policy, parse_policy, preset_names, tensor_type_rules)
 
 
@@ -151,7 +152,7 @@ def test_rules_naming_protected_tensors_are_reported_and_strict_refuses():
     with pytest.raises(QuantizeError, match=r"^--strict: 1 rule\(s\) name protected tensors \(llama\.cpp, indexer, "
                                             r"mxfp4\): p\.toml:3 \('indexer\|_exps\|_norm' -> Q4_K\); nothing is "
                                             r"written$") as refused:
-        plan_quantization(K31_TENSORS, p, strict=True)
+        plan_quantization(K31_TENSORS, p, options=PlanOptions(strict=True))
     assert [line.split(" names ")[1].split(" protected")[0] for line in refused.value.details] == ["2", "3", "1"]
 
 
@@ -162,7 +163,7 @@ def test_strict_names_every_colliding_rule_one_line_each():
     p = policy('default = "Q8_0"\n[[rules]]\npattern = "_exps"\ntype = "Q4_K"\n'
                '[[rules]]\npattern = "indexer\\\\."\ntype = "Q8_0"\n')
     with pytest.raises(StrictError) as refused:
-        plan_quantization(K31_TENSORS, p, strict=True)
+        plan_quantization(K31_TENSORS, p, options=PlanOptions(strict=True))
     e = refused.value
     # in the order the file's tensors first meet them
     assert str(e) == ("--strict: 2 rule(s) name protected tensors (indexer, llama.cpp, mxfp4): "
@@ -189,7 +190,7 @@ def test_a_conflict_line_counts_past_the_names_it_shows():
 def test_mxfp4_experts_requantized_only_with_allow_requantize():
     p = policy('default = "Q8_0"\n[[rules]]\npattern = "_exps"\ntype = "Q2_K"\n')
     assert by_name(plan_quantization(K31_TENSORS, p))["blk.1.ffn_up_exps.weight"].copied
-    plan = plan_quantization(K31_TENSORS, p, allow_requantize=True)
+    plan = plan_quantization(K31_TENSORS, p, options=PlanOptions(allow_requantize=True))
     exps = by_name(plan)["blk.1.ffn_up_exps.weight"]
     # 288 is not a multiple of 256: Q2_K falls back to Q4_0
     assert exps.target == QT.Q4_0 and exps.requantized and "twice" in plan.warnings[0]
@@ -210,7 +211,7 @@ def test_quantized_sources_and_mxfp4_targets():
         decide("blk.0.attn_q.weight", (8, 256), QT.Q8_0, policy('default = "MXFP4"\n'), False)
     # MXFP4 experts aimed at MXFP4 stay a byte copy, protected or not (--allow-requantize)
     for allow in (False, True):
-        plan = plan_quantization(K31_TENSORS, policy('default = "MXFP4"\n'), allow_requantize=allow)
+        plan = plan_quantization(K31_TENSORS, policy('default = "MXFP4"\n'), PlanOptions(allow_requantize=allow))
         exps = by_name(plan)["blk.1.ffn_up_exps.weight"]
         assert exps.copied and not exps.requantized and not plan.warnings
 

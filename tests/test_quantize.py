@@ -17,7 +17,7 @@ from kimi_convert.gguf_io import Q2_0, open_gguf
 from kimi_interop import InteropError, llama_quantize
 from kimi_convert.quant.driver import FILE_TYPE, quantize_file
 from kimi_convert.quant.imatrix import load_imatrix
-from kimi_convert.quant.plan import QuantizeError
+from kimi_convert.quant.plan import PlanOptions, QuantizeError
 from kimi_convert.quant.policy import parse_policy
 
 TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "F16", "BF16", "F32",
@@ -171,11 +171,11 @@ def test_k31_indexer_protected_under_a_policy_aimed_at_it(tmp_path):
     aimed = policy('default = "Q4_K"\n[[rules]]\npattern = "indexer"\ntype = "Q8_0"\n')
     with pytest.raises(QuantizeError, match=r"--strict: 1 rule\(s\) name protected tensors \(indexer, llama\.cpp\): "
                                             r"test\.toml:3 \('indexer' -> Q8_0\)") as refused:
-        quantize_file(src, tmp_path / "strict.gguf", aimed, strict=True)
+        quantize_file(src, tmp_path / "strict.gguf", aimed, options=PlanOptions(strict=True))
     assert [line.split("; protected ")[1].split(":")[0] for line in refused.value.details] == ["(indexer)",
                                                                                               "(llama.cpp)"]
     assert not (tmp_path / "strict.gguf").exists()
-    result = quantize_file(src, tmp_path / "q.gguf", aimed, allow_requantize=True)
+    result = quantize_file(src, tmp_path / "q.gguf", aimed, options=PlanOptions(allow_requantize=True))
     before, after = open_gguf(src).tensors, open_gguf(result.paths[0]).tensors
     indexer = [n for n in before if ".indexer." in n]
     assert len(indexer) == 5 * len([n for n in before if n.endswith("indexer.proj.weight")]) > 0

@@ -38,7 +38,7 @@ from kimi_convert.gguf_io import DirectSink
 from kimi_convert.fixtures.real_size import (make_sparse_checkpoint, real_spec, safetensors_header,
                                              write_sparse_gguf, write_sparse_model_imatrix)
 from kimi_convert.model import KimiConfig
-from kimi_convert.quant.plan import plan_quantization
+from kimi_convert.quant.plan import PlanOptions, plan_quantization
 from kimi_convert.quant.policy import load_policy
 from kimi_convert.tensor_map import gguf_tensor_types
 
@@ -106,7 +106,8 @@ def planned_by_config(hf_dir: Path, preset: str):
     """The preset's decisions from the config alone (tensor_map.gguf_tensor_types: the tensors kimi-convert
     writes), as docs/policy.md sizes the presets: the figure every dry run must agree with."""
     cfg = KimiConfig.from_hf_dir(hf_dir)
-    return plan_quantization(gguf_tensor_types(cfg), load_policy(preset), allow_requantize=preset == "k3-q2")
+    return plan_quantization(gguf_tensor_types(cfg), load_policy(preset),
+                             PlanOptions(allow_requantize=preset == "k3-q2"))
 
 
 # Linux carries a process's peak RSS across exec, and a child forked from this test process (which

@@ -4,7 +4,6 @@ types, equal to running each type alone), it orders types by what they lose, emb
 measured through their own paths, and the solver spends the budget by these costs and nothing else."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,12 +16,14 @@ from kimi_convert.fixtures.imatrix import k3_entries, write_gguf_imatrix
 from kimi_convert.gguf_io import open_gguf
 from kimi_convert.quant.driver import plan_file
 from kimi_convert.quant.imatrix import load_imatrix
+from kimi_convert.quant.plan import PlanOptions
 from kimi_convert.quant.target.budget import parse_budget
 from kimi_convert.quant.target.choose import choose, no_base
 from kimi_convert.quant.target.sensitivity import KldCosts, Sensitivity, sampled_layers
 from kimi_convert.quant.target.units import split_decisions
 
 CHUNKS = 2
+REQUANTIZE = PlanOptions(allow_requantize=True)       # --allow-requantize: the MXFP4 experts free
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,7 @@ def model(tmp_path_factory):
     text = d / "train.txt"
     text.write_text(trained.read_text("heldout")[:60_000])
     ids = chunk_tokens(text_tokens(text, model_tokenizer(gguf)), 128, CHUNKS, None, text)
-    plan = plan_file(gf, no_base(), allow_requantize=True, imatrix=True)
+    plan = plan_file(gf, no_base(), REQUANTIZE, imatrix=True)
     units = {u.key: u for u in split_decisions(plan, lambda d: imatrix.has_vector(d.name, d.shape)).units}
     return gguf, imatrix, text, ids, units
 
@@ -100,16 +101,16 @@ def test_the_solver_spends_the_budget_by_the_measured_costs(model):
     gf = open_gguf(gguf)
     free = "blk.1.ffn_down_exps"
     stated = Stated(free)
-    choice = choose(gf, no_base(), parse_budget("12MB", None), imatrix, allow_requantize=True, sensitivity=stated)
+    choice = choose(gf, no_base(), parse_budget("12MB", None), imatrix, sensitivity=stated, options=REQUANTIZE)
     assert "stated costs (test)" in choice.text                      # the policy says what it was chosen by
     asked = dict(stated.asked)
     smallest = asked[free][0]                                              # the hull is ordered by bytes
-    plan = plan_file(gf, choice.policy, allow_requantize=True, imatrix=True)
+    plan = plan_file(gf, choice.policy, REQUANTIZE, imatrix=True)
     chosen = {d.name: d.target for d in plan.decisions}
     assert chosen["blk.1.ffn_down_exps.weight"] == smallest                # free: the smallest type it was offered
     assert chosen["blk.2.ffn_down_exps.weight"] != smallest                # the same tensor elsewhere is not free
     assert choice.nbytes <= 12_000_000
-    units = {u.key: u for u in split_decisions(plan_file(gf, no_base(), allow_requantize=True, imatrix=True),
+    units = {u.key: u for u in split_decisions(plan_file(gf, no_base(), REQUANTIZE, imatrix=True),
                                                lambda d: imatrix.has_vector(d.name, d.shape)).units}
     for key, ts in stated.asked:                             # offered: the weight errors' hull, smallest first
         sizes = [units[key].nbytes(t) for t in ts]

@@ -16,6 +16,7 @@ from kimi_convert.fixtures.imatrix import k3_entries, write_gguf_imatrix
 from kimi_convert.gguf_io import open_gguf
 from kimi_convert.quant.driver import plan_file
 from kimi_convert.quant.imatrix import load_imatrix
+from kimi_convert.quant.plan import PlanOptions
 from kimi_convert.quant.policy import load_policy
 from kimi_convert.quant.target.budget import BudgetError, parse_budget
 from kimi_convert.quant.target.choose import choose, feasible_decisions, no_base
@@ -23,6 +24,8 @@ from kimi_convert.quant.target.solver import Point, lower_hull, solve
 from kimi_convert.quant.target.units import ROUTED_EXPERTS
 from in_process import run_command
 from test_convert_errors import CLI_ENV
+
+REQUANTIZE = PlanOptions(allow_requantize=True)       # --allow-requantize: the MXFP4 experts free
 
 
 def quantize(*args, xdg: Path | None = None) -> subprocess.CompletedProcess:
@@ -63,8 +66,8 @@ def solve_at(src, imatrix, work):
     gf, imat = open_gguf(src), load_imatrix(imatrix)
 
     def run(size: str, base=None, gpu=None, threads=1, cache=errors_dir(work / "shared"), **kw):
-        return choose(gf, base or no_base(), parse_budget(size, None), imat, allow_requantize=True,
-                      gpu_budget=gpu, threads=threads, cache_dir=cache, **kw)
+        return choose(gf, base or no_base(), parse_budget(size, None), imat,
+                      gpu_budget=gpu, threads=threads, cache_dir=cache, **kw, options=REQUANTIZE)
     return run
 
 
@@ -72,7 +75,7 @@ def solve_at(src, imatrix, work):
 def bounds(src, imatrix):
     """(floor, ceiling, the largest decision's bytes) with the experts free."""
     decisions, _ = feasible_decisions(open_gguf(src), no_base(), parse_budget("2M", None), load_imatrix(imatrix),
-                                      allow_requantize=True, gpu_budget=None)
+                                      REQUANTIZE, gpu_budget=None)
     return decisions.floor(), decisions.ceiling(), max(u.nbytes(u.candidates[-1]) for u in decisions.units)
 
 
@@ -83,7 +86,7 @@ def test_budgets_met_from_below_within_the_largest_decision(solve_at, bounds, sr
         budget = int(floor + frac * (ceiling - floor))
         c = solve_at(str(budget))
         assert budget - largest < c.nbytes <= budget
-        assert plan_file(gf, c.policy, allow_requantize=True, imatrix=True).target_bytes == c.nbytes
+        assert plan_file(gf, c.policy, REQUANTIZE, imatrix=True).target_bytes == c.nbytes
 
 
 def test_more_bytes_less_predicted_error(solve_at, bounds):
@@ -114,8 +117,8 @@ def test_protections_and_base_pins_unmoved(solve_at, bounds, src, work):
     floor, ceiling, _ = bounds
     c = solve_at(str((floor + ceiling) // 2), base=base)
     gf = open_gguf(src)
-    chosen = {d.name: d for d in plan_file(gf, c.policy, allow_requantize=True, imatrix=True).decisions}
-    before = {d.name: d for d in plan_file(gf, base, allow_requantize=True, imatrix=True).decisions}
+    chosen = {d.name: d for d in plan_file(gf, c.policy, REQUANTIZE, imatrix=True).decisions}
+    before = {d.name: d for d in plan_file(gf, base, REQUANTIZE, imatrix=True).decisions}
     pinned = [n for n in before if n.endswith("attn_q.weight")]
     assert pinned and all(chosen[n].target == QT.Q5_1 for n in pinned)
     protected = [n for n, d in before.items() if d.protection is not None and not ROUTED_EXPERTS.match(n)]
@@ -139,13 +142,13 @@ def test_gpu_budget_respected(solve_at, bounds, src):
     gf = open_gguf(src)
 
     def dense(policy) -> int:
-        return sum(d.target_bytes for d in plan_file(gf, policy, allow_requantize=True, imatrix=True).decisions
+        return sum(d.target_bytes for d in plan_file(gf, policy, REQUANTIZE, imatrix=True).decisions
                    if not ROUTED_EXPERTS.match(d.name))
     gpu = dense(free.policy) * 3 // 4       # binding: the unconstrained choice puts more there
     c = solve_at(str(budget), gpu=gpu)
     assert dense(c.policy) <= gpu and c.nbytes <= budget
     # the experts take up what the dense tensors gave back, up to their own ceiling (kept as MXFP4)
-    experts = [d for d in plan_file(gf, c.policy, allow_requantize=True, imatrix=True).decisions
+    experts = [d for d in plan_file(gf, c.policy, REQUANTIZE, imatrix=True).decisions
                if ROUTED_EXPERTS.match(d.name)]
     assert c.nbytes > budget - bounds[2] or all(d.target == QT.MXFP4 for d in experts)
     assert c.nbytes > budget - bounds[2] - gpu // 4 or all(d.target == QT.MXFP4 for d in experts)
@@ -404,7 +407,7 @@ def test_one_pass_samples_rows_from_the_checkpoint_not_its_streams(tmp_path, arc
         return produce
     streams = {n: (refuse(n) if n in direct else p) for n, p in producers(plan).items()}
     from_checkpoint, from_file = producer_rows(streams, row_reader(plan)), gguf_rows(open_gguf(out))
-    plan_q = plan_file(open_gguf(out), no_base(), allow_requantize=True)
+    plan_q = plan_file(open_gguf(out), no_base(), options=REQUANTIZE)
     assert any("exps" in d.name for d in plan_q.decisions) and len(direct) > len(plan.tensors) // 2
     for d in plan_q.decisions:
         groups = [rows for _, rows in sampled_rows(d.name, d.shape)]
@@ -439,8 +442,8 @@ def test_real_model_budgets_hit_within_one_percent(arch, type_errors):
     from kimi_convert.quant.target.choose import _dense, expert_share, split_solve
     from kimi_convert.quant.target.units import split_decisions
     from test_presets import real_tensors
-    plan = plan_quantization(real_tensors(arch), no_base(), allow_requantize=True, imatrix=True,
-                             model=ModelFacts.of(real_config(arch)))
+    plan = plan_quantization(real_tensors(arch), no_base(), imatrix=True,
+                             model=ModelFacts.of(real_config(arch)), options=REQUANTIZE)
     decisions = split_decisions(plan, lambda d: d.name not in ("token_embd.weight", "output.weight"))
     assert sum(u.expert for u in decisions.units) == 184
     rng = np.random.default_rng(11)
@@ -497,7 +500,7 @@ def test_default_measure_is_the_role_prior_and_weights_turns_it_off(src, imatrix
     gf = open_gguf(src)
 
     def dense(choice) -> int:
-        return sum(d.target_bytes for d in plan_file(gf, choice.policy, allow_requantize=True, imatrix=True).decisions
+        return sum(d.target_bytes for d in plan_file(gf, choice.policy, REQUANTIZE, imatrix=True).decisions
                    if not ROUTED_EXPERTS.match(d.name))
     assert dense(prior) > dense(raw), (dense(prior), dense(raw))
     for measure, costs in (("weights", WeightErrors()), ("prior", shipped_prior())):
@@ -515,7 +518,7 @@ def test_experts_weigh_by_their_share_of_the_tokens(src, imatrix, tmp_path):
     from kimi_convert.quant.target.measure import ErrorCache, gguf_rows, token_shares, unit_errors
     from kimi_convert.quant.target.units import Unit
     gf, imat = open_gguf(src), load_imatrix(imatrix)
-    plan = plan_file(gf, no_base(), allow_requantize=True, imatrix=True)
+    plan = plan_file(gf, no_base(), REQUANTIZE, imatrix=True)
     exps = next(d for d in plan.decisions if d.name == "blk.1.ffn_down_exps.weight")
     dense = next(d for d in plan.decisions if d.name == "blk.1.attn_output.weight")
     shares = token_shares(imat, 0.125)

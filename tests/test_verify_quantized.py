@@ -21,6 +21,7 @@ from kimi_convert.gguf_io import open_gguf
 from kimi_interop import llama_quantize
 from kimi_convert.quant.driver import FILE_TYPE, quantize_file
 from kimi_convert.quant.imatrix import load_imatrix
+from kimi_convert.quant.plan import PlanOptions
 from kimi_convert.quant.policy import parse_policy
 from kimi_convert.verify.check import TOLERANCES, Part, check_tensors, verify
 from kimi_convert.cli.verify import app
@@ -152,7 +153,7 @@ def test_k31_with_mxfp4_experts_and_protected_indexer_passes(tmp_path, requantiz
     src = tmp_path / "k31-bf16.gguf"
     convert(build_plan(hf, "bf16"), src)
     q = quantize_file(src, tmp_path / "k31-Q4_K.gguf", parse_policy('default = "Q4_K"\n', "test.toml"),
-                      allow_requantize=requantize).paths[0]
+                      PlanOptions(allow_requantize=requantize)).paths[0]
     report = verify(q, hf, length=N)
     assert_passes_for_the_right_reason(report, n_quantized(q))
     assert report.part("k31").ok

@@ -38,6 +38,7 @@ from .transforms import Experts, repack_pool
 
 if TYPE_CHECKING:
     from ..quant.onepass import OnePass
+    from ..quant.plan import PlanOptions
     from ..quant.policy import Policy
     from .vocab import Vocab
 
@@ -332,15 +333,15 @@ def _run_inputs(plan: Plan, quant: "OnePass | None") -> list[Input]:
 # ------------------------------------------------------------------------------------
 # the quantization hook (kimi-convert --policy): kimi-quantize's decisions and bytes, quant/onepass.py
 
-def plan_policy(plan: Plan, policy: "Policy", *, imatrix=None, allow_requantize: bool = False,
-                strict: bool = False, threads: int = 0) -> "OnePass":
+def plan_policy(plan: Plan, policy: "Policy", options: "PlanOptions | None" = None, *, imatrix=None,
+                threads: int = 0) -> "OnePass":
     """The policy applied to what this plan writes (each tensor's name, shape and output type), as kimi-quantize
     applies it to the converted file."""
     from ..quant.mixtures import ModelFacts
     from ..quant.onepass import plan_one_pass
-    return plan_one_pass(((t.name, t.shape, t.qtype) for t in plan.tensors), policy,
-                         model=ModelFacts.of(plan.config), imatrix=imatrix,
-                         allow_requantize=allow_requantize, strict=strict, threads=threads)
+    from ..quant.plan import PlanOptions
+    return plan_one_pass(((t.name, t.shape, t.qtype) for t in plan.tensors), policy, options or PlanOptions(),
+                         model=ModelFacts.of(plan.config), imatrix=imatrix, threads=threads)
 
 
 def row_reader(plan: Plan) -> Callable[[str, int], np.ndarray | None]:

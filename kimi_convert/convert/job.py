@@ -68,8 +68,7 @@ class ConvertJob:
         if q.target is not None:
             self.choice = self._choose()
             policy = self.choice.policy
-        self.one = plan_policy(self.plan, policy, imatrix=self.imatrix, allow_requantize=q.allow_requantize,
-                               strict=q.strict, threads=self.plan.threads)
+        self.one = plan_policy(self.plan, policy, q.plan, imatrix=self.imatrix, threads=self.plan.threads)
         return self.one
 
     def dry_run(self) -> Preflight:
@@ -103,7 +102,7 @@ class ConvertJob:
         from ..quant.target.streamed import producer_rows
         from .converter import producers, row_reader
         q, plan, imat = self.opts.quant, self.plan, self.imatrix
-        base_plan = plan_policy(plan, self.policy, imatrix=imat, allow_requantize=q.allow_requantize).plan
+        base_plan = plan_policy(plan, self.policy, q.plan, imatrix=imat).plan
         weights = sum(int(np.prod(t.shape, dtype=np.int64)) for t in plan.tensors)
         decisions, budget_bytes = check_decisions(base_plan, weights, q.target.budget, imat,
                                                   gpu_budget=q.target.gpu_budget)

@@ -19,7 +19,7 @@ from gguf import GGML_QUANT_VERSION, GGUFValueType, LlamaFileType
 from gguf import GGMLQuantizationType as QT
 
 from ..errors import CheckpointError
-from ..gguf_io import (MOSTLY_Q2_0, Q2_0, Chunk, GGUFFile, GGUFStreamWriter, GGUFTensor, OutTensor, check_free_disk,
+from ..gguf_io import (Chunk, GGUFFile, GGUFStreamWriter, GGUFTensor, OutTensor, check_free_disk,
                        check_output_paths, check_split_max_size, disk_bytes, disk_room, gguf_inputs, iter_chunks_of,
                        open_gguf, split_paths, stale_partials, written_paths)
 from ..paths import Input, Report, refuse_overlap
@@ -27,7 +27,8 @@ from ..model import KimiConfig
 from ..tensor_map import ggml_n_dims, gguf_group
 from .imatrix import Imatrix, coverage_lines
 from .mixtures import PURE_FILE_TYPE, ModelFacts
-from .plan import Decision, NonFiniteWeightError, QuantizeError, QuantPlan, check_can_write, plan_quantization
+from .plan import (Decision, NonFiniteWeightError, PlanOptions, QuantizeError, QuantPlan, check_can_write,
+                   plan_quantization)
 from .policy import Policy
 
 CHUNK_VALUES = 4 << 20          # float32 values dequantized per chunk (16 MiB), whole rows
@@ -62,15 +63,14 @@ def stored_file_type(gf: GGUFFile) -> int:
     return int(gf.fields.get("general.file_type", LlamaFileType.GUESSED))
 
 
-def plan_file(gf: GGUFFile, policy: Policy, *, allow_requantize: bool = False, strict: bool = False,
+def plan_file(gf: GGUFFile, policy: Policy, options: PlanOptions = PlanOptions(), *,
               imatrix: bool = False) -> QuantPlan:
     """The plan of file `gf`; `imatrix`: whether the run has one (a mixture's choices may depend on it)."""
     config = KimiConfig.from_gguf(gf.fields, gf.paths[0])     # a kimi-k3 / kimi-k31 file, or a clear error
     if not gf.tensors:                       # valid GGUF (a vocabulary-only file, say), but nothing to quantize
         raise CheckpointError(f"{gf.paths[0]}: holds no tensors: a {gf.arch} GGUF with no tensors is not a model")
-    return plan_quantization(((t.name, t.shape, t.qtype) for t in gf.tensors.values()), policy,
-                             allow_requantize=allow_requantize, strict=strict, model=ModelFacts.of(config),
-                             imatrix=imatrix)
+    return plan_quantization(((t.name, t.shape, t.qtype) for t in gf.tensors.values()), policy, options,
+                             model=ModelFacts.of(config), imatrix=imatrix)
 
 
 def stored_metadata(gf: GGUFFile) -> Iterator[tuple]:
@@ -94,15 +94,15 @@ def metadata(stored: Iterable[tuple], ftype: int, extra: list[tuple[str, object,
     return out + [(k, v, t, None) for k, (v, t) in set_here.items()]
 
 
-def quantize_file(src: Path, out: Path, policy: Policy, *, imatrix: Imatrix | None = None, allow_requantize: bool = False,
-                  strict: bool = False, force: bool = False, split_max_size: int = 0, keep_split: bool = False,
-                  threads: int = 0, on_bytes: Callable[[int], None] = lambda n: None,
+def quantize_file(src: Path, out: Path, policy: Policy, options: PlanOptions = PlanOptions(), *,
+                  imatrix: Imatrix | None = None, force: bool = False, split_max_size: int = 0,
+                  keep_split: bool = False, threads: int = 0, on_bytes: Callable[[int], None] = lambda n: None,
                   log: Callable[[str], None] = lambda s: None, resume: bool = False,
                   reports: Iterable[tuple[Report, str]] = ()) -> QuantizeResult:
     """`reports`: (report, its text), renamed into place with the output, or not at all."""
-    policy.check_requirements(imatrix=imatrix is not None, allow_requantize=allow_requantize)
+    policy.check_requirements(imatrix=imatrix is not None, allow_requantize=options.allow_requantize)
     gf = open_gguf(Path(src))
-    plan = plan_file(gf, policy, allow_requantize=allow_requantize, strict=strict, imatrix=imatrix is not None)
+    plan = plan_file(gf, policy, options, imatrix=imatrix is not None)
     return write_plan(gf, plan, out, policy, imatrix=imatrix, force=force, split_max_size=split_max_size,
                       keep_split=keep_split, threads=threads, on_bytes=on_bytes, log=log, resume=resume,
                       reports=reports)

@@ -90,7 +90,7 @@ class QuantizeJob:
         from ..cores import threads_or_all
         from .target.choose import choose
         from .target.measure import error_cache_dir
-        self.choice = choose(self.gf, self.policy, target.budget, self.imatrix, allow_requantize=q.allow_requantize,
+        self.choice = choose(self.gf, self.policy, target.budget, self.imatrix, q.plan,
                              gpu_budget=target.gpu_budget, threads=threads_or_all(self.opts.threads),
                              cache_dir=error_cache_dir(), inputs=self.inputs,
                              source=str(target.emit_policy or "the chosen policy"), note=self.note,
@@ -100,9 +100,7 @@ class QuantizeJob:
 
     @cached_property
     def plan(self) -> QuantPlan:
-        q = self.opts.quant
-        return plan_file(self.gf, self.policy, allow_requantize=q.allow_requantize, strict=q.strict,
-                         imatrix=self.imatrix is not None)
+        return plan_file(self.gf, self.policy, self.opts.quant.plan, imatrix=self.imatrix is not None)
 
     def json_report(self) -> str:
         """The --json report: the plan, every tensor's decision."""

@@ -25,7 +25,7 @@ from ..gguf_io import Chunk, FileRange, OutTensor, tensor_nbytes
 from .driver import CHUNK_VALUES, ImatrixVectors, file_type, ggml_shape, metadata, tensor_chunks
 from .imatrix import Imatrix
 from .mixtures import ModelFacts
-from .plan import NonFiniteWeightError, QuantPlan, check_can_write, plan_quantization
+from .plan import NonFiniteWeightError, PlanOptions, QuantPlan, check_can_write, plan_quantization
 from .policy import Policy
 
 PIECE = 16 << 20            # a FileRange of the producer is read in pieces of this many bytes
@@ -40,14 +40,15 @@ class OnePass:
     vectors: ImatrixVectors | None = None
     notes: list[str] = field(default_factory=list)    # imatrix entries missing or skipped
     threads: int = 0                       # quantizer threads; 0: every CPU available
-    allow_requantize: bool = False
+    options: PlanOptions = PlanOptions()
     # (tensor name, row) -> the source file and tensor it was made from, for an error's first words
     source_of: Callable[[str, int], str] | None = None
 
     def check_requirements(self) -> None:
         """What the policy `requires` of a run (an imatrix, --allow-requantize) and what its plan needs to be
         written (writable types, the imatrix entries its types need), as kimi-quantize checks them."""
-        self.policy.check_requirements(imatrix=self.imatrix is not None, allow_requantize=self.allow_requantize)
+        self.policy.check_requirements(imatrix=self.imatrix is not None,
+                                       allow_requantize=self.options.allow_requantize)
         check_can_write(self.plan, self.vectors.shapes if self.vectors is not None else None,
                         self.imatrix.path if self.imatrix is not None else "")
 
@@ -102,16 +103,16 @@ class OnePass:
             rows.finish()
 
 
-def plan_one_pass(tensors: Iterable[tuple[str, tuple[int, ...], QT]], policy: Policy, *, model: ModelFacts,
-                  imatrix=None, allow_requantize: bool = False, strict: bool = False, threads: int = 0) -> OnePass:
+def plan_one_pass(tensors: Iterable[tuple[str, tuple[int, ...], QT]], policy: Policy,
+                  options: PlanOptions = PlanOptions(), *, model: ModelFacts, imatrix=None, threads: int = 0
+                  ) -> OnePass:
     """Decide every tensor the converter writes (name, numpy shape, output type) of a model with facts `model`
     as kimi-quantize decides the converted file's, and check the imatrix against every tensor to quantize:
     all from the headers."""
-    plan = plan_quantization(tensors, policy, allow_requantize=allow_requantize, strict=strict, model=model,
-                             imatrix=imatrix is not None)
+    plan = plan_quantization(tensors, policy, options, model=model, imatrix=imatrix is not None)
     notes: list[str] = []
     vectors = ImatrixVectors(plan, imatrix, notes) if imatrix is not None else None
-    return OnePass(policy, plan, imatrix, vectors, notes, threads, allow_requantize)
+    return OnePass(policy, plan, imatrix, vectors, notes, threads, options)
 
 
 class StreamedRows:

@@ -10,6 +10,7 @@ from ..errors import KimiError
 
 if TYPE_CHECKING:
     from .imatrix import Imatrix
+    from .plan import PlanOptions
     from .policy import Policy
     from .target.choose import TargetOptions
 
@@ -30,6 +31,12 @@ class PolicyOptions:
     allow_requantize: bool = False
     strict: bool = False
     target: "TargetOptions | None" = None
+
+    @property
+    def plan(self) -> "PlanOptions":
+        """How the policy is applied (quant.plan.PlanOptions): what every plan of the run is made with."""
+        from .plan import PlanOptions
+        return PlanOptions(self.allow_requantize, self.strict)
 
     @property
     def quantizes(self) -> bool:

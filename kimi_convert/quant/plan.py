@@ -129,12 +129,21 @@ def group_conflicts(conflicts: Iterable[Conflict]) -> list[ConflictGroup]:
     return [ConflictGroup(rule, guard, tuple(names)) for (rule, guard), names in groups.items()]
 
 
+@dataclass(frozen=True)
+class PlanOptions:
+    """How a policy is applied: llama-quantize's --allow-requantize (already quantized tensors, the MXFP4
+    experts among them, may be quantized again) and our --strict (a rule that names a protected tensor is an
+    error). One object from the command line (quant.options.PolicyOptions.plan) to every plan."""
+    allow_requantize: bool = False
+    strict: bool = False
+
+
 @dataclass
 class QuantPlan:
     decisions: list[Decision]
     conflicts: list[Conflict] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
-    allow_requantize: bool = False      # what it was decided with: a budget's choice spends it alike (units.py)
+    options: PlanOptions = PlanOptions()    # what it was decided with: a budget's choice spends it alike (units.py)
 
     @property
     def conflict_groups(self) -> list[ConflictGroup]:
@@ -149,8 +158,8 @@ class QuantPlan:
         return sum(d.source_bytes for d in self.decisions)
 
 
-def plan_quantization(tensors: Iterable[tuple[str, tuple[int, ...], QT]], policy: Policy, *,
-                      allow_requantize: bool = False, strict: bool = False, model: ModelFacts | None = None,
+def plan_quantization(tensors: Iterable[tuple[str, tuple[int, ...], QT]], policy: Policy,
+                      options: PlanOptions = PlanOptions(), *, model: ModelFacts | None = None,
                       imatrix: bool = False) -> QuantPlan:
     """Decide every tensor of (name, numpy shape, stored type); raises QuantizeError for what cannot be done.
     `model` and `imatrix` (whether the run has one) are what a policy's mixture reads besides the tensors."""
@@ -164,10 +173,9 @@ def plan_quantization(tensors: Iterable[tuple[str, tuple[int, ...], QT]], policy
         mixture, order = Mixture.bind(policy.mixture, names, model, imatrix), llama_order(names)
     decided: list = [None] * len(tensors)
     for i in order:
-        decided[i] = decide(*tensors[i], policy, allow_requantize, rules[names[i]], mixture)
-    plan = QuantPlan([d for d, _ in decided], [c for _, c in decided if c is not None],
-                     allow_requantize=allow_requantize)
-    if strict and plan.conflicts:
+        decided[i] = decide(*tensors[i], policy, options.allow_requantize, rules[names[i]], mixture)
+    plan = QuantPlan([d for d, _ in decided], [c for _, c in decided if c is not None], options=options)
+    if options.strict and plan.conflicts:
         raise StrictError(plan.conflict_groups)
     requantized = [d for d in plan.decisions if d.requantized]
     if requantized:

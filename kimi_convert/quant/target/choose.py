@@ -11,7 +11,7 @@ import numpy as np
 from ...gguf_io import GGUFFile
 from ...model import KimiConfig
 from ..driver import plan_file
-from ..plan import QuantPlan
+from ..plan import PlanOptions, QuantPlan
 from ..policy import Policy, parse_policy
 from .budget import Budget, BudgetError, check_feasible, decimal_size
 from .emit import Chosen, decided_why, policy_text
@@ -42,10 +42,10 @@ def n_weights(gf: GGUFFile) -> int:
     return sum(int(np.prod(t.shape, dtype=np.int64)) for t in gf.tensors.values())
 
 
-def feasible_decisions(gf: GGUFFile, base: Policy, budget: Budget, imat, *, allow_requantize: bool,
+def feasible_decisions(gf: GGUFFile, base: Policy, budget: Budget, imat, options: PlanOptions = PlanOptions(), *,
                        gpu_budget: int | None) -> tuple[Decisions, int]:
     """The decisions of file `gf` and the budget in bytes, after the feasibility checks (headers only)."""
-    plan = plan_file(gf, base, allow_requantize=allow_requantize, imatrix=True)
+    plan = plan_file(gf, base, options, imatrix=True)
     return check_decisions(plan, n_weights(gf), budget, imat, gpu_budget=gpu_budget)
 
 
@@ -65,7 +65,7 @@ def check_decisions(plan: QuantPlan, weights: int, budget: Budget, imat, *,
     return decisions, nbytes
 
 
-def choose(gf: GGUFFile, base: Policy, budget: Budget, imat, *, allow_requantize: bool = False,
+def choose(gf: GGUFFile, base: Policy, budget: Budget, imat, options: PlanOptions = PlanOptions(), *,
            gpu_budget: int | None = None, threads: int = 1, cache_dir: Path | None = None, inputs=(),
            source: str = "chosen policy", note: Callable[[str], None] = lambda s: None,
            sensitivity: "Costs | None" = None) -> Choice:
@@ -73,7 +73,7 @@ def choose(gf: GGUFFile, base: Policy, budget: Budget, imat, *, allow_requantize
     (measure.error_cache_dir(); None: measured errors are kept in memory only); `inputs`: the files the run
     reads, which no cache file replaces; `sensitivity`: the Costs the budget is spent by (None: the role
     prior, as the commands' default)."""
-    decisions, budget_bytes = feasible_decisions(gf, base, budget, imat, allow_requantize=allow_requantize,
+    decisions, budget_bytes = feasible_decisions(gf, base, budget, imat, options,
                                                  gpu_budget=gpu_budget)
     return choose_decided(decisions, budget_bytes, gguf_rows(gf), base, budget, imat,
                           gpu_budget=gpu_budget, threads=threads,

@@ -85,7 +85,7 @@ def unit_key(name: str) -> str:
 def split_decisions(plan: QuantPlan, has_vector) -> Decisions:
     """`plan`: the BASE policy's plan (its allow_requantize frees the MXFP4 experts); `has_vector(decision)`:
     whether the imatrix has a vector for it."""
-    allow_requantize = plan.allow_requantize
+    allow_requantize = plan.options.allow_requantize
     fixed, groups = [], {}
     for d in plan.decisions:
         if held(d, allow_requantize) or d.rule is not None:
