@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from in_process import run_command
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -29,7 +31,11 @@ def cli_command(args, patch: str = "") -> list[str]:
 CLI_ENV = dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="300")
 
 
-def run_cli(*args: str, preexec=None, patch: str = "") -> subprocess.CompletedProcess:
+def run_cli(*args: str, preexec=None, patch: str = "", process: bool = False) -> subprocess.CompletedProcess:
+    """kimi-convert ARGS: in this process (tests/in_process.py), or in its own where the test needs one (`preexec`:
+    a resource limit; `patch`: a faked disk or a slowed writer; `process`: a process id other than the test's)."""
+    if preexec is None and not patch and not process:
+        return run_command("kimi-convert", args)
     return subprocess.run(cli_command(args, patch), capture_output=True, text=True, env=CLI_ENV,
                           preexec_fn=preexec, timeout=120)
 
@@ -312,7 +318,7 @@ def test_stale_partial_of_a_dead_process_is_removed(tmp_path, ckpt):
     for d in (stale, live):
         d.mkdir()
         (d / "out.gguf").write_bytes(b"GGUF" + bytes(4096))
-    r = run_cli(ckpt, tmp_path / "out.gguf")
+    r = run_cli(ckpt, tmp_path / "out.gguf", process=True)        # a pid other than the live partial's
     assert r.returncode == 0, r.stderr
     assert not stale.exists() and (live / "out.gguf").exists()
     notes = [line for line in r.stderr.splitlines() if str(stale) in line]

@@ -18,6 +18,7 @@ from gguf import GGUFReader
 
 from kimi_convert.engine.weights import open_source
 from kimi_convert.quant.imatrix import load_imatrix
+from in_process import run_command
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="300")
@@ -26,8 +27,12 @@ CTX, CHUNKS = 32, 4
 
 
 def kimi_imatrix(*args, prelude: str = "", check: bool = True) -> subprocess.CompletedProcess:
-    p = subprocess.run([sys.executable, "-c", prelude + MAIN, *map(str, args)], capture_output=True, text=True,
-                       env=ENV, timeout=300)
+    """kimi-imatrix ARGS: in this process (tests/in_process.py), or in its own after `prelude` (a patch)."""
+    if prelude:
+        p = subprocess.run([sys.executable, "-c", prelude + MAIN, *map(str, args)], capture_output=True, text=True,
+                           env=ENV, timeout=300)
+    else:
+        p = run_command("kimi-imatrix", args)
     if check:
         assert p.returncode == 0, p.stderr
     return p

@@ -16,10 +16,15 @@ from gguf import GGUFValueType, GGUFWriter
 
 from kimi_convert.fixtures.imatrix import k3_entries, write_gguf_imatrix
 from kimi_convert.gguf_io import open_gguf
+from in_process import run_command
 from test_convert_errors import CLI_ENV, assert_fails_cleanly
 
 
 def quantize(*args, preexec=None, patch: str = "") -> subprocess.CompletedProcess:
+    """kimi-quantize ARGS: in this process (tests/in_process.py), or in its own for a resource limit
+    (`preexec`) or a patched library (`patch`)."""
+    if preexec is None and not patch:
+        return run_command("kimi-quantize", args)
     code = patch + "\nfrom kimi_convert.cli.quantize import main\nmain()\n"
     return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,
                           env=CLI_ENV, preexec_fn=preexec, timeout=300)
