@@ -8,9 +8,9 @@ Both sides get the same float32 matrix (``--mb`` MB of rows ``--width`` wide: St
 bf16, like weights dequantized from a BF16 checkpoint) and, with an imatrix, the same random positive
 importance vector with 10% zeros. ggml is llama-cpp-python's libggml-base.so through ctypes; with N threads
 it gets N row chunks in N Python threads (ctypes releases the GIL), as llama-quantize splits a tensor;
-ours splits the rows the same way over N threads (its kernels, called through ctypes, release the GIL too). Each (type,
+ours splits the rows the same way over N threads (its numba kernels release the GIL too). Each (type,
 imatrix, threads) is timed ``--repeats`` times, alternating the two sides, and the best time of each is kept;
-the kernels are compiled (or linked from their native cache) before timing. Prints, per case, both wall times,
+the kernels are compiled (or loaded from numba's cache) before timing. Prints, per case, both wall times,
 the ratio ours/ggml of wall time (goal <= 2.0) and of process CPU time (steadier on a shared machine), our
 throughput and whether the bytes are equal.
 """

@@ -24,7 +24,7 @@ against llama.cpp + fsync, our fixed startup (a child that only imports the quan
 ggml's one-off set-up of the type's tables (`ggml_quantize_init` timed in a fresh child: the IQ grids, seconds for
 IQ1_S/IQ1_M/IQ2_S, which llama-quantize pays once per run and a real K3 run never notices) and the ratio with
 llama.cpp's time less that set-up (ours keeps all its start-up: the ratio a file large enough to hide both gets
-is at most that), both peak RSS and whether every tensor's bytes are equal. The kernels are built into their native cache first (kimi_convert.native; the first run compiles).
+is at most that), both peak RSS and whether every tensor's bytes are equal. The kernels are compiled into numba's cache first (kimi_convert.kernel; the first run compiles).
 """
 from __future__ import annotations
 
@@ -169,7 +169,7 @@ def main() -> None:
           f"imatrix: {imatrix_args[0] if imatrix_args else 'none'}")
     types = args.types.split(",")
     subprocess.run([sys.executable, "-c", "import sys\n" + WARM + LLAMA_IMPORTS, ",".join(types), str(src)],
-                   check=True, env=CHILD_ENV)       # the native cache, and the bytecode of both sides' modules
+                   check=True, env=CHILD_ENV)       # numba's cache, and the bytecode of both sides' modules
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load)]
     try:
         run_types(types, src, work, imatrix_args, args.repeat, args.load)

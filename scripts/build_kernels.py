@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
-"""Build every numba kernel's native entry once, on all cores, before the tests run.
+"""Compile every numba kernel once, on all cores, before the tests run.
 
     python scripts/build_kernels.py [--jobs N]
 
 A fresh clone has no kernel cache, and each of pytest's two workers (pytest -n 2) would compile every kernel it
 meets on its own, the same kernels twice, one after the other inside each worker. Here the kernels are shared out
-over N processes (default: the cores) that build them side by side into the one cache (kimi_convert.native,
-``__pycache__`` beside the kernels); the tests then link them. On a warm cache it only checks them.
+over N processes (default: the cores) that compile them side by side into numba's cache (``__pycache__`` beside
+the kernels; kimi_convert.kernel); the tests then load them. On a warm cache it only loads them.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def all_kernels():
 
 def build_share(jobs: int, index: int) -> None:
     for k in all_kernels()[index::jobs]:
-        k.load()
+        k.build()
 
 
 def main() -> None:

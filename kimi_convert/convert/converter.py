@@ -21,7 +21,7 @@ from gguf import GGML_QUANT_VERSION, GGUFWriter, LlamaFileType
 from gguf import GGMLQuantizationType as QT
 
 from . import mxfp4
-from .. import native
+from .. import kernel
 from .checkpoint import Checkpoint, SourceTensor, checkpoint_inputs
 from ..constants import HF_TEXT_PREFIX, tname
 from ..errors import CheckpointError, ConfigError
@@ -104,9 +104,9 @@ class Plan:
 
     @property
     def repack_rss(self) -> int:
-        """What loading the MXFP4 repack kernel adds (native.load_rss) if the run repacks experts, else 0."""
+        """What loading the MXFP4 repack kernel adds (kernel.load_rss) if the run repacks experts, else 0."""
         repacks = any(t.rule.transform == EXPERTS and len(t.sources[0]) == 2 for t in self.tensors)
-        return native.load_rss([mxfp4.REPACK_KERNEL]) if repacks else 0
+        return kernel.load_rss([mxfp4.REPACK_KERNEL]) if repacks else 0
 
     def by_group(self) -> dict[str, tuple[int, int]]:
         out: dict[str, list[int]] = defaultdict(lambda: [0, 0])

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..native import Kernel
+from ..kernel import Kernel
 
 BLOCK = 32
 BLOCK_BYTES = 17
@@ -30,8 +30,8 @@ def repack(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
 
 
 def repack_into(packed: np.ndarray, scale: np.ndarray, out: np.ndarray) -> None:
-    """repack, into `out` (uint8 [rows, n/32*17], C-contiguous), by the compiled loop of mxfp4_kernel (numba
-    source, loaded natively on the first call; it releases the GIL, so experts repack on several threads)."""
+    """repack, into `out` (uint8 [rows, n/32*17], C-contiguous), by the compiled loop of mxfp4_kernel (numba,
+    loaded on the first call; it releases the GIL, so experts repack on several threads)."""
     rows, half = packed.shape
     nb = half * 2 // BLOCK
     if half % (BLOCK // 2) or scale.shape != (rows, nb):
@@ -43,7 +43,7 @@ def repack_into(packed: np.ndarray, scale: np.ndarray, out: np.ndarray) -> None:
 
 
 def load_kernel() -> None:
-    """Load the compiled repack now (~0.1 s from the native cache; a cache miss builds it with numba, 1-3 s),
+    """Load the compiled repack now (~0.2 s with numba's import, from its cache; a cache miss compiles, 1-3 s),
     e.g. on a thread of its own while other work goes on, instead of at the first repack."""
     repack(np.zeros((1, BLOCK // 2), np.uint8), np.zeros((1, 1), np.uint8))
 

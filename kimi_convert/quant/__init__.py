@@ -2,7 +2,7 @@
 
 The quantizers (``blocks``: ``quantize``, ``dequantize``, ``validate_blocks``, one class per ggml type) write
 exactly the bytes of ggml's ``ggml_quantize_chunk``; they are numba kernels (``kernels``), which a process
-links as native code (``kimi_convert.native``) on first use, so the policy and planning modules load light.
+imports with numba on first use (``kimi_convert.kernel``), so the policy and planning modules load light.
 """
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ from gguf import quants as _gguf_quants
 from ..cores import default_threads
 from ..gguf_io import Q2_0 as _Q2_0
 from ..gguf_io import QUANT_SIZES, ggml_type
-from ..native import Kernel
+from ..kernel import Kernel
 
 KERNELS = "kimi_convert.quant.kernels"      # the numba source of the kernels below, a module per family
 
@@ -532,12 +532,12 @@ def kernels_for(pairs: Iterable[tuple[QT, QT, bool]]) -> list[Kernel]:
 
 
 def load_kernels(pairs: Iterable[tuple[QT, QT, bool]]) -> None:
-    """Load the kernels of these (source, target, with imatrix) conversions now (native: ~0.05 s, or a build on
-    a cache miss) and build the grid types' tables (0.2 s for all six), then freeze the objects made so far:
+    """Load the kernels of these (source, target, with imatrix) conversions now (numba's import and cache: ~0.2 s,
+    or a compile on a cache miss) and build the grid types' tables (0.2 s for all six), then freeze the objects made so far:
     the cyclic collector would otherwise scan them at every full collection and again at exit."""
     pairs = list(pairs)
     for k in kernels_for(pairs):
-        k.load()
+        k.function()
     for _, target, _ in pairs:
         block_type(target).tables()         # a grid type's tables: built once, before the threads need them
     gc.freeze()

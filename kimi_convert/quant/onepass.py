@@ -58,12 +58,12 @@ class OnePass:
 
     @property
     def quantizer_rss(self) -> int:
-        """RSS that loading the kernels adds (native.load_rss); a chunk's work is in chunk_work."""
-        from .. import native
+        """RSS that loading the kernels adds (kernel.load_rss); a chunk's work is in chunk_work."""
+        from .. import kernel
         from .blocks import kernels_for, supported_types     # noqa: PLC0415
         pairs = [(d.source, d.target, self.imatrix is not None) for d in self.plan.decisions
                  if not d.copied and d.target in supported_types()]
-        return native.load_rss(kernels_for(pairs)) if pairs else 0
+        return kernel.load_rss(kernels_for(pairs)) if pairs else 0
 
     def chunk_work(self, i: int) -> int:
         """RAM that quantizing tensor i adds to its producer's work: a piece of the stream and the stored rows

@@ -9,8 +9,7 @@ grid i-quants' tables (grid, kmap, neighbour lists), which their kernels take as
 compiled code as a constant. numba's cache is keyed on the file that
 defines a function, not on the files of the helpers it inlines, so an edit to ``common`` would leave stale
 compiled callers: ``_drop_stale_cache`` below empties this package's numba cache when any of its sources
-changed (an installed package never changes; this is for the working tree). The native entries (``native``)
-are keyed on the module and on the modules of this package it imports.
+changed (an installed package never changes; this is for the working tree).
 
 Rules that keep the bytes equal to ggml's:
 
