@@ -496,7 +496,7 @@ def test_default_measure_is_the_role_prior_and_weights_turns_it_off(src, imatrix
     prior, raw = solve_at(budget, sensitivity=shipped_prior()), solve_at(budget, sensitivity=WeightErrors())
     assert solve_at(budget).text == prior.text
     assert "times its role's KLD / weight error measured on the trained K3 fixture" in prior.text
-    assert "times its role" not in raw.text
+    assert "times its role" not in raw.text and prior.measure in prior.text and raw.measure in raw.text
     gf = open_gguf(src)
 
     def dense(choice) -> int:
@@ -508,7 +508,9 @@ def test_default_measure_is_the_role_prior_and_weights_turns_it_off(src, imatrix
         r = quantize(src, tmp_path / "o.gguf", "--target-size", budget, "--imatrix", imatrix, "--allow-requantize",
                      "--dry-run", "--emit-policy", chosen, "--sensitivity", measure)
         assert r.returncode == 0, r.stderr
-        assert chosen.read_text() == solve_at(budget, sensitivity=costs, source=str(chosen)).text, measure
+        expected = solve_at(budget, sensitivity=costs, source=str(chosen))
+        assert chosen.read_text() == expected.text, measure
+        assert f"cost of a type: {expected.measure[:60]}" in r.stderr, r.stderr      # what it was chosen by
 
 
 def test_experts_weigh_by_their_share_of_the_tokens(src, imatrix, tmp_path):

@@ -114,6 +114,8 @@ def print_choice(choice, explain: bool) -> None:
                   f"(floor {decimal_size(choice.floor)}, ceiling {decimal_size(choice.ceiling)})", highlight=False)
     if choice.solution is not None:
         note(f"solver: {choice.solution.describe()}")
+    note(f"cost of a type: {choice.measure}")
+
 
 def report_decisions(plan, imat: Imatrix | None) -> None:
     """On stderr: the rules that name protected tensors, the warnings, and the imatrix's coverage."""

@@ -36,6 +36,7 @@ class Choice:
     ceiling: int
     lines: list[str] = field(default_factory=list)      # one per decision, for --explain / --dry-run
     solution: Solution | None = None                    # the solve: its error, lower bound and gap
+    measure: str = ""                                   # what a decision's cost per type is (the header says it)
 
 
 def n_weights(gf: GGUFFile) -> int:
@@ -169,6 +170,9 @@ def _choice(decisions: Decisions, hulls, solution: Solution, budget: Budget, bud
                                                                         f"hull: {others}{off}")))
         lines.append(f"{u.key:<40} {p.qtype.name:>7} {decimal_size(p.nbytes):>28}  error {p.error:.4g}  "
                      f"(hull: {others}){off}")
+    measure = measure or (f"imatrix-weighted relative error on sampled rows, each matrix weighted by its rows and "
+                          f"its share of the tokens (a routed expert's: its imatrix count over a dense tensor's, "
+                          f"else {expert_share:.4g})")
     for d in decisions.fixed:
         if not held(d, decisions.allow_requantize):
             chosen.append(Chosen((d,), d.target, None, f"fixed: {d.why}"))
@@ -183,13 +187,11 @@ def _choice(decisions: Decisions, hulls, solution: Solution, budget: Budget, bud
               f"{len(decisions.units)} decisions",
               f"solver: {solution.describe()}; the gap is (error - lower bound) / lower bound, the most this "
               f"choice's error can exceed the least any choice within the budget makes",
-              f"base: {base.source}; error measure: " + (measure or
-              f"imatrix-weighted relative error on sampled rows, each "
-              f"matrix weighted by its rows and its share of the tokens (a routed expert's: its imatrix count "
-              f"over a dense tensor's, else {expert_share:.4g})")]
+              f"base: {base.source}; error measure: {measure}"]
     text = policy_text(chosen, header)
     policy = replace(parse_policy(text, source), inputs=base.inputs)
-    return Choice(policy, text, budget_bytes, nbytes, decisions.floor(), decisions.ceiling(), lines, solution)
+    return Choice(policy, text, budget_bytes, nbytes, decisions.floor(), decisions.ceiling(), lines, solution,
+                  measure)
 
 
 def check_budget_options(budget: Budget | None, imatrix, gpu_budget: int | None) -> None:
