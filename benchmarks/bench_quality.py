@@ -104,14 +104,15 @@ def presets() -> list[str]:
 
 
 def build(arch: str, chunks: int, n_budgets: int, work: Path, log, prior: dict | None = None,
-          prior_correlation: dict | None = None) -> tuple[list[Row], dict]:
+          prior_correlation: dict | None = None, seed: int | None = None) -> tuple[list[Row], dict]:
     """`prior`: rows of an earlier run's JSON (same fixture, text and chunks: the same base), taken as they are;
-    `prior_correlation`: its measured pairs, likewise."""
+    `prior_correlation`: its measured pairs, likewise; `seed`: train the fixture from this seed (the same recipe,
+    another model: 20 min here) instead of writing the shipped weights."""
     prior = prior or {}
     from kimi_convert.fixtures import trained
     hf, gguf, imatrix, base = work / "hf", work / "model.gguf", work / "imatrix.gguf", work / "base.kld"
     if not base.is_file():
-        trained.write(hf, arch)
+        trained.write(hf, arch, None if seed is None else trained.train(arch, log=log, seed=seed))
         sh("kimi-convert", hf, gguf, "--force")
         (work / "train.txt").write_text(trained.read_text("train"))
         (work / "heldout.txt").write_text(trained.read_text("heldout"))
@@ -309,6 +310,8 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=None, help="keep the files here (a rerun reuses them)")
     ap.add_argument("--rows-from", type=Path, default=None, help="take the rows of this earlier JSON as measured")
     ap.add_argument("--no-sensitivity", action="store_true", help="skip --sensitivity kld and the correlation")
+    ap.add_argument("--seed", type=int, default=None,
+                    help="train the fixture from this seed instead of the shipped weights (files: ARCH-seedN)")
     args = ap.parse_args()
     global SENSITIVITY
     SENSITIVITY = not args.no_sensitivity
@@ -322,18 +325,19 @@ def main() -> int:
             earlier = json.loads(args.rows_from.read_text())
             prior = {r["name"]: Row(**r) for r in earlier["rows"]}
         rows, meta = build(args.arch, args.chunks, args.budgets, tmp, lambda s: print(s, flush=True), prior,
-                           (earlier.get("meta") or {}).get("correlation"))
+                           (earlier.get("meta") or {}).get("correlation"), args.seed)
         if meta.get("correlation"):
             meta["correlation"].update(prior_correlation(meta["correlation"], lambda s: print(s, flush=True)))
         from kimi_convert.engine.weights import open_source
         src = open_source(Path(tmp) / "model.gguf")
         meta["n_weights"] = sum(int(np.prod(src.shape(n))) for n in src.names())
     found = checks(rows)
-    md = table(rows, args.arch, meta)
-    (args.out / f"quality-{args.arch}.md").write_text(md + "\n\n" + "\n".join(f"- {c}" for c in found) + "\n")
-    (args.out / f"quality-{args.arch}.json").write_text(json.dumps(
+    name = args.arch + (f"-seed{args.seed}" if args.seed is not None else "")
+    md = table(rows, name, meta)
+    (args.out / f"quality-{name}.md").write_text(md + "\n\n" + "\n".join(f"- {c}" for c in found) + "\n")
+    (args.out / f"quality-{name}.json").write_text(json.dumps(
         {"meta": meta, "chunks": args.chunks, "ctx": CTX, "rows": [r.__dict__ for r in rows]}, indent=1))
-    plot(rows, args.out / f"quality-{args.arch}.png", args.arch)
+    plot(rows, args.out / f"quality-{name}.png", name)
     print(md)
     print("\n".join(found))
     print(f"{len(rows)} files measured in {time.time() - t0:.0f} s")

@@ -128,3 +128,17 @@ def test_training_is_reproducible(tmp_path):
     assert names == sorted(p.name for p in outs[1].iterdir())
     for n in names:
         assert (outs[0] / n).read_bytes() == (outs[1] / n).read_bytes(), n
+
+
+def test_another_seed_is_another_model_and_needs_train(tmp_path):
+    """--seed N (bench_quality.py --seed: an independent model of the same recipe) changes the weights; without
+    --train, or with --save-shipped, it is a usage error (the shipped weights are seed 0's)."""
+    a, b = (tr.train("k3", tr.Schedule.short(1), log=lambda s: None, seed=s) for s in (tr.SEED, tr.SEED + 1))
+    assert a.keys() == b.keys()
+    embed = next(n for n in sorted(a) if n.endswith("embed_tokens.weight"))
+    assert not np.array_equal(a[embed], b[embed])
+    for argv in ([str(tmp_path / "x"), "--seed", "1"], ["--train", "--save-shipped", "--seed", "1"]):
+        with pytest.raises(SystemExit) as e:
+            tr.main(argv)
+        assert e.value.code == 2
+    assert not (tmp_path / "x").exists()
