@@ -382,6 +382,10 @@ def test_convert_takes_the_weight_measures_and_refuses_kld_in_one_line(k3_dir, i
                                      "kld"], {"XDG_CACHE_HOME": str(_private_cache())})
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert r.returncode == 1 and len(errors) == 1 and "kimi-quantize --target-size --sensitivity kld" in errors[0]
+    r = run_command("kimi-convert", [k3_dir, out, "--target-size", "2M", "--imatrix", imatrix, "--sensitivity",
+                                     "kl"], {"XDG_CACHE_HOME": str(_private_cache())})
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode == 1 and errors == ["error: --sensitivity 'kl': must be prior or weights"], r.stderr
     assert sorted(tmp_path.iterdir()) == []
 
 

@@ -102,6 +102,8 @@ def _options(hf_dir, out, outtype, split_max_size, split_max_tensors, dry_run, f
     if sensitivity == "kld":
         raise KimiError("--sensitivity kld runs the converted model: convert, then kimi-quantize --target-size "
                         "--sensitivity kld")
+    if sensitivity not in ("prior", "weights"):
+        raise KimiError(f"--sensitivity {sensitivity!r}: must be prior or weights")
     target = target_options(target_size, target_bpw, gpu_budget, emit_policy, imatrix, policy, sensitivity)
     quant = PolicyOptions(policy, imatrix, tuple(tensor_type), tuple(tensor_type_file), allow_requantize, strict,
                           target)
