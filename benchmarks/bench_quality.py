@@ -200,12 +200,10 @@ def prior_correlation(corr: dict, log) -> dict:
     """Spearman's rank correlation with the KLD of the weight error times its role's prior scale (prior.py):
     with the scales of every pair (in sample: the shipped prior is made from these pairs) and with each layer's
     scales taken from the other layers' pairs alone (leave one layer out: the case of an unmeasured layer)."""
-    from kimi_convert.quant.target.prior import LAYER, role, role_scales
+    from kimi_convert.quant.target.prior import LAYER, RolePrior, role_scales
 
-    def scaled(pair, pairs):
-        scales = role_scales(pairs)
-        mean = math.exp(sum(map(math.log, scales.values())) / len(scales))
-        return pair[2] * scales.get(role(pair[0]), mean)
+    def scaled(pair, pairs):                # as the solver costs it: an unknown role takes the mean of all
+        return pair[2] * RolePrior(role_scales(pairs), "pairs").scale(pair[0])
     pairs = corr["pairs"]
     layer = lambda key: (m := LAYER.match(key)) and m[1]
     k = np.array([p[3] for p in pairs])

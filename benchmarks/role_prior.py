@@ -19,17 +19,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from kimi_convert.quant.target.prior import PRIOR_FILE, role, role_scales  # noqa: E402
+from kimi_convert.quant.target.prior import PRIOR_FILE, role_logs, role_scales  # noqa: E402
 
 
 def spread(pairs) -> dict[str, tuple[int, float]]:
     """Per role: (pairs, standard deviation of log(KLD / weight error))."""
-    logs: dict[str, list[float]] = {}
-    for key, _t, e, k in pairs:
-        if e > 0 and k > 0:
-            logs.setdefault(role(key), []).append(math.log(k / e))
     out = {}
-    for r, v in logs.items():
+    for r, v in role_logs(pairs).items():
         m = sum(v) / len(v)
         out[r] = (len(v), math.sqrt(sum((x - m) ** 2 for x in v) / len(v)))
     return out

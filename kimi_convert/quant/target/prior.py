@@ -33,13 +33,19 @@ def role(key: str) -> str:
     return LAYER.sub("", key)
 
 
-def role_scales(pairs) -> dict[str, float]:
-    """(decision key, type, weight error, KLD) pairs -> each role's geometric mean of KLD / weight error."""
+def role_logs(pairs) -> dict[str, list[float]]:
+    """(decision key, type, weight error, KLD) pairs -> each role's log(KLD / weight error) values (a pair
+    with no error or no divergence says nothing)."""
     logs: dict[str, list[float]] = {}
     for key, _type, error, kld in pairs:
         if error > 0 and kld > 0:
             logs.setdefault(role(key), []).append(math.log(kld / error))
-    return {r: math.exp(sum(v) / len(v)) for r, v in sorted(logs.items())}
+    return dict(sorted(logs.items()))
+
+
+def role_scales(pairs) -> dict[str, float]:
+    """Each role's geometric mean of KLD / weight error over its pairs."""
+    return {r: math.exp(sum(v) / len(v)) for r, v in role_logs(pairs).items()}
 
 
 class WeightErrors:
