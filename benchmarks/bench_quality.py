@@ -104,15 +104,20 @@ def presets() -> list[str]:
 
 
 def build(arch: str, chunks: int, n_budgets: int, work: Path, log, prior: dict | None = None,
-          prior_correlation: dict | None = None, seed: int | None = None) -> tuple[list[Row], dict]:
+          prior_correlation: dict | None = None, seed: int | None = None, shape: str = "small"
+          ) -> tuple[list[Row], dict]:
     """`prior`: rows of an earlier run's JSON (same fixture, text and chunks: the same base), taken as they are;
     `prior_correlation`: its measured pairs, likewise; `seed`: train the fixture from this seed (the same recipe,
-    another model: 20 min here) instead of writing the shipped weights."""
+    another model: 20 min here) instead of writing the shipped weights; `shape`: train a model of that shape
+    (fixtures.trained.SHAPES; "deep": about 50 min here). A checkpoint already in `work` is reused."""
     prior = prior or {}
     from kimi_convert.fixtures import trained
     hf, gguf, imatrix, base = work / "hf", work / "model.gguf", work / "imatrix.gguf", work / "base.kld"
     if not base.is_file():
-        trained.write(hf, arch, None if seed is None else trained.train(arch, log=log, seed=seed))
+        if not (hf / "config.json").is_file():
+            shipped = seed is None and shape == "small"
+            trained.write(hf, arch, None if shipped else trained.train(arch, log=log, seed=seed or 0, shape=shape),
+                          shape)
         sh("kimi-convert", hf, gguf, "--force")
         (work / "train.txt").write_text(trained.read_text("train"))
         (work / "heldout.txt").write_text(trained.read_text("heldout"))
@@ -310,6 +315,8 @@ def main() -> int:
     ap.add_argument("--no-sensitivity", action="store_true", help="skip --sensitivity kld and the correlation")
     ap.add_argument("--seed", type=int, default=None,
                     help="train the fixture from this seed instead of the shipped weights (files: ARCH-seedN)")
+    ap.add_argument("--shape", default="small", choices=["small", "deep"],
+                    help="train a fixture of this shape (fixtures.trained.SHAPES; files: ARCH-deep)")
     args = ap.parse_args()
     global SENSITIVITY
     SENSITIVITY = not args.no_sensitivity
@@ -323,14 +330,15 @@ def main() -> int:
             earlier = json.loads(args.rows_from.read_text())
             prior = {r["name"]: Row(**r) for r in earlier["rows"]}
         rows, meta = build(args.arch, args.chunks, args.budgets, tmp, lambda s: print(s, flush=True), prior,
-                           (earlier.get("meta") or {}).get("correlation"), args.seed)
+                           (earlier.get("meta") or {}).get("correlation"), args.seed, args.shape)
         if meta.get("correlation"):
             meta["correlation"].update(prior_correlation(meta["correlation"], lambda s: print(s, flush=True)))
         from kimi_convert.engine.weights import open_source
         src = open_source(Path(tmp) / "model.gguf")
         meta["n_weights"] = sum(int(np.prod(src.shape(n))) for n in src.names())
     found = checks(rows)
-    name = args.arch + (f"-seed{args.seed}" if args.seed is not None else "")
+    name = args.arch + (f"-{args.shape}" if args.shape != "small" else "") + (
+        f"-seed{args.seed}" if args.seed is not None else "")
     md = table(rows, name, meta)
     (args.out / f"quality-{name}.md").write_text(md + "\n\n" + "\n".join(f"- {c}" for c in found) + "\n")
     (args.out / f"quality-{name}.json").write_text(json.dumps(

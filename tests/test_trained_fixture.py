@@ -142,3 +142,26 @@ def test_another_seed_is_another_model_and_needs_train(tmp_path):
             tr.main(argv)
         assert e.value.code == 2
     assert not (tmp_path / "x").exists()
+
+
+def test_the_deep_shape_is_k3s_layer_pattern_and_converts(tmp_path):
+    """--shape deep (bench_quality.py --shape deep: a model the role prior never saw) writes 8 layers in K3's
+    3:1 KDA:MLA pattern with 64 experts, 4 a token, as MXFP4, which kimi-convert converts with every tensor; without
+    --train, or with --save-shipped, it is a usage error (only the small shape is shipped)."""
+    from kimi_convert.convert.converter import build_plan, convert
+    from kimi_convert.engine.weights import open_source
+    out = tmp_path / "deep"
+    assert tr.main([str(out), "--arch", "k3", "--train", "--steps", "1", "--shape", "deep"]) == 0
+    cfg = json.loads((out / "config.json").read_text())["text_config"]
+    assert (cfg["num_hidden_layers"], cfg["num_experts"], cfg["num_experts_per_token"]) == (8, 64, 4)
+    gguf = tmp_path / "deep.gguf"
+    convert(build_plan(out, "bf16"), gguf)
+    src = open_source(gguf)
+    assert src.shape("blk.7.ffn_gate_exps.weight")[0] == 64
+    mla = sorted({int(n.split(".")[1]) for n in src.names() if ".attn_kv_a_mqa." in n})
+    assert mla == [3, 7]
+    for argv in ([str(tmp_path / "x"), "--shape", "deep"], ["--train", "--save-shipped", "--shape", "deep"]):
+        with pytest.raises(SystemExit) as e:
+            tr.main(argv)
+        assert e.value.code == 2
+    assert not (tmp_path / "x").exists()
