@@ -70,7 +70,7 @@ def files(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def llama_fa_off(files, tmp_path_factory):
+def llama_fa_off(files):
     """llama-perplexity's report with flash attention off in both passes (its default is on)."""
     llama_base, *_ = files
     d = llama_base.parent
